@@ -1,0 +1,44 @@
+# The two commands: `make run` and `make test`. Both create .venv and install on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= configs/default.yaml
+export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
+
+.PHONY: run test bench lint install wheel-check clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Without a GPU, pin the CPU torch wheel: an unpinned torch pulls a multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
+	$(PY) -m pip install -q -e '.[dev,hf]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tiered-cache run --config $(CONFIG)
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+bench: $(STAMP)
+	$(PY) benchmarks/control_plane.py
+	$(PY) benchmarks/migration.py
+	$(PY) benchmarks/compaction.py
+	$(PY) benchmarks/attention.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# A wheel built from the repo, installed in a clean venv, must import the mapped subpackages.
+wheel-check: $(STAMP)
+	rm -rf build dist /tmp/tc-wheel-venv
+	$(PY) -m build --wheel --no-isolation -q --outdir dist . >/dev/null
+	python3 -m venv /tmp/tc-wheel-venv
+	/tmp/tc-wheel-venv/bin/pip install -q torch==2.13.0 dist/*.whl
+	cd /tmp && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache; print('wheel ok:', tiered_cache.__file__)"
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
