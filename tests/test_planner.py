@@ -1,0 +1,148 @@
+"""`tiered-cache plan`: the 70B-on-H200 arithmetic, written out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from tiered_cache import planner
+from tiered_cache.config import CacheConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_70B = ROOT / "configs" / "llama-70b-h200.yaml"
+GiB = 1024**3
+
+# Llama-3-70B, bf16 KV: 80 layers * (K and V) * 8 KV heads * 128 dims * 2 bytes
+BYTES_PER_TOKEN = 80 * 2 * 8 * 128 * 2
+BYTES_PER_BLOCK = 16 * BYTES_PER_TOKEN
+GPU_BLOCKS = 40 * GiB // BYTES_PER_BLOCK
+HOST_512_BLOCKS = 512 * GiB // BYTES_PER_BLOCK
+HOST_480_BLOCKS = 480 * GiB // BYTES_PER_BLOCK
+
+
+def test_the_arithmetic():
+    assert BYTES_PER_TOKEN == 327_680
+    assert BYTES_PER_BLOCK == 5_242_880 == 5 * 1024**2
+    assert GPU_BLOCKS == 8_192 and GPU_BLOCKS * 16 == 131_072
+    assert HOST_512_BLOCKS == 104_857 and HOST_512_BLOCKS * 16 == 1_677_712  # 104,857.6 floored
+    assert HOST_480_BLOCKS == 98_304 and HOST_480_BLOCKS * 16 == 1_572_864
+
+
+def config_70b(host_capacity: str) -> CacheConfig:
+    d = CacheConfig.from_yaml(CONFIG_70B).to_dict()
+    d["tiers"]["host"]["capacity"] = host_capacity
+    return CacheConfig.from_dict(d)
+
+
+def test_plan_70b_with_512gib_host_all_of_it():
+    plan = planner.make_plan(config_70b("100%"), host_free=512 * GiB)
+    assert plan.bytes_per_token == 327_680
+    assert plan.bytes_per_block == 5_242_880
+    assert plan.block_size == 16
+    assert plan.tiers == [
+        ("gpu", 8_192, 8_192 * 5_242_880, 131_072),
+        ("host", 104_857, 104_857 * 5_242_880, 1_677_712),
+    ]
+    assert plan.tiers[0].bytes == 40 * GiB
+    assert plan.total_tokens == 131_072 + 1_677_712 == 1_808_784
+    assert plan.total_blocks == 8_192 + 104_857 == 113_049
+
+
+def test_plan_shipped_70b_config():
+    plan = planner.make_plan(CacheConfig.from_yaml(CONFIG_70B))  # no "%": machine-independent
+    assert plan.tiers == [
+        ("gpu", 8_192, 40 * GiB, 131_072),
+        ("host", 98_304, 480 * GiB, 1_572_864),
+    ]
+    assert plan.total_tokens == 131_072 + 1_572_864 == 1_703_936
+    assert plan.total_bytes == 520 * GiB
+
+
+def test_gpu_percentage_uses_given_free_memory():
+    d = CacheConfig.from_yaml(CONFIG_70B).to_dict()
+    d["tiers"]["gpu"]["capacity"] = "50%"
+    plan = planner.make_plan(CacheConfig.from_dict(d), gpu_free=80 * GiB)
+    assert plan.tiers[0].num_blocks == 40 * GiB // 5_242_880 == 8_192
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="tiered-cache plan")
+    planner.add_arguments(parser)
+    rc = planner.main(parser.parse_args(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def config_100pct(tmp_path) -> Path:
+    text = CONFIG_70B.read_text().replace("capacity: 480GiB", 'capacity: "100%"')
+    assert '"100%"' in text
+    f = tmp_path / "70b-all-host.yaml"
+    f.write_text(text)
+    return f
+
+
+def test_cli_table(config_100pct, capsys):
+    rc, out, err = run_cli(["--config", str(config_100pct), "--host-memory", "512GiB"], capsys)
+    assert rc == 0, err
+    assert "llama-3-70b" in out
+    assert "327,680" in out and "5,242,880" in out and "5.00 MiB" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    assert rows["gpu"][1:] == ["8,192", "42,949,672,960", "40.00", "131,072"]
+    assert rows["host"][1:] == ["104,857", f"{104_857 * 5_242_880:,}", "512.00", "1,677,712"]
+    assert rows["total"][1] == "113,049" and rows["total"][-1] == "1,808,784"
+    assert "note: write_through" in out
+
+
+def test_cli_json(config_100pct, capsys):
+    rc, out, err = run_cli(["--config", str(config_100pct), "--host-memory", "512GiB", "--json"],
+                           capsys)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["bytes_per_token"] == 327_680
+    assert data["bytes_per_block"] == 5_242_880
+    assert data["block_size"] == 16
+    assert data["tiers"] == [
+        {"name": "gpu", "num_blocks": 8_192, "bytes": 40 * GiB, "tokens": 131_072},
+        {"name": "host", "num_blocks": 104_857, "bytes": 104_857 * 5_242_880,
+         "tokens": 1_677_712},
+    ]
+    assert data["total_tokens"] == 1_808_784
+
+
+def test_cli_shipped_config_and_ignored_override(capsys):
+    rc, out, err = run_cli(["--config", str(CONFIG_70B), "--host-memory", "512GiB", "--json"],
+                           capsys)
+    assert rc == 0
+    assert json.loads(out)["tiers"][1]["num_blocks"] == 98_304
+    assert "--host-memory is ignored" in err
+
+
+def test_cli_default_config(capsys):
+    rc, out, _ = run_cli([], capsys)
+    assert rc == 0
+    assert "tiny-llama" in out and "1,280" in out  # 256 + 1024 blocks
+
+
+def test_cli_errors(tmp_path, capsys):
+    rc, out, err = run_cli(["--config", str(tmp_path / "missing.yaml")], capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith("error: ") and "no such config file" in err
+    rc, _, err = run_cli(["--config", str(CONFIG_70B), "--gpu-memory", "50%"], capsys)
+    assert rc == 2
+    assert "error: --gpu-memory: expected an absolute size like '512GiB', got '50%'" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tiers:\n  gpu:\n    capacity: 1KiB\n")
+    rc, _, err = run_cli(["--config", str(bad)], capsys)
+    assert rc == 2
+    assert "tiers.gpu.capacity: '1KiB' (1,024 bytes) holds no block of 65,536 bytes" in err
+
+
+def test_format_plan_is_aligned():
+    text = planner.format_plan(planner.make_plan(CacheConfig.from_yaml(CONFIG_70B)))
+    table = [line for line in text.splitlines()
+             if line.split() and line.split()[0] in ("tier", "gpu", "host", "total")]
+    assert len({len(line) for line in table}) == 1

@@ -1,0 +1,54 @@
+"""Typed exceptions. Every public call that rejects its input raises one of these before it
+changes any state, so a caught error leaves the cache exactly as it was."""
+
+from __future__ import annotations
+
+
+class TieredCacheError(Exception):
+    """Base class of every error raised by tiered-cache."""
+
+
+class ConfigError(TieredCacheError, ValueError):
+    """A configuration key is unknown or its value is invalid. The message starts with the key
+    path (`tiers.host.capacity: ...`)."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class CapacityError(TieredCacheError):
+    """A tier cannot hold what was asked: every slot is pinned or in flight."""
+
+
+class ShapeError(TieredCacheError, ValueError):
+    """A tensor has the wrong shape, or a write goes past the sequence's declared tokens."""
+
+
+class DTypeError(TieredCacheError, TypeError):
+    """A tensor has the wrong dtype or device."""
+
+
+class TokenError(TieredCacheError, ValueError):
+    """Token ids are not a flat sequence of non-negative integers below 2**31."""
+
+
+class LayerError(TieredCacheError, IndexError):
+    """A layer index is outside [0, num_layers)."""
+
+
+class SequenceClosedError(TieredCacheError):
+    """A sequence was used after `close()`, or belongs to another cache."""
+
+
+class TierUnavailableError(TieredCacheError):
+    """A tier's backing memory cannot be had here (managed memory without CUDA, a device that is
+    not present)."""
+
+
+class StorageDisabledError(TieredCacheError):
+    """A data operation was called on a cache built with `storage: none` (metadata only)."""
+
+
+class TransferError(TieredCacheError):
+    """A copy between tiers failed; the block stays valid in its source tier."""

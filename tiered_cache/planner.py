@@ -1,0 +1,176 @@
+"""`tiered-cache plan`: how many blocks and tokens each tier of a config holds.
+
+    tiered-cache plan --config configs/llama-70b-h200.yaml
+    tiered-cache plan --config my.yaml --gpu-memory 80GiB --host-memory 512GiB --json
+
+`--gpu-memory` / `--host-memory` set the free memory that a `"70%"` capacity applies to, so an
+operator can plan for a machine they are not on. Sizes given in bytes or `num_blocks` don't
+depend on the machine. No torch is imported unless a `"%"` GPU capacity must ask CUDA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from tiered_cache import sizing
+from tiered_cache.config import CacheConfig
+from tiered_cache.errors import ConfigError, TieredCacheError
+
+
+class TierPlan(NamedTuple):
+    name: str
+    num_blocks: int
+    bytes: int
+    tokens: int
+
+
+@dataclass
+class Plan:
+    bytes_per_token: int
+    bytes_per_block: int
+    block_size: int
+    tiers: list[TierPlan]
+    total_tokens: int
+    """Sum of the token slots of every tier."""
+    model: str = ""
+    write_policy: str = "write_back"
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(t.num_blocks for t in self.tiers)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.tiers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "block_size": self.block_size,
+            "bytes_per_token": self.bytes_per_token,
+            "bytes_per_block": self.bytes_per_block,
+            "write_policy": self.write_policy,
+            "tiers": [t._asdict() for t in self.tiers],
+            "total_blocks": self.total_blocks,
+            "total_bytes": self.total_bytes,
+            "total_tokens": self.total_tokens,
+            "notes": list(self.notes),
+        }
+
+
+def make_plan(config: CacheConfig, gpu_free: int | None = None,
+              host_free: int | None = None) -> Plan:
+    """Blocks, bytes and tokens per tier. `gpu_free`/`host_free` are the free bytes that a `"%"`
+    capacity applies to (None: ask this machine)."""
+    block = config.block_bytes
+    tiers = []
+    for name, free in (("gpu", gpu_free), ("host", host_free)):
+        n = sizing.tier_num_blocks(config, name, free)
+        tiers.append(TierPlan(name, n, n * block, n * config.block_size))
+    notes = []
+    host = tiers[1]
+    if host.num_blocks == 0:
+        notes.append("no host tier: blocks evicted from the GPU are dropped")
+    elif config.write_policy == "write_through":
+        notes.append("write_through copies each full GPU block to host, so the tiers overlap: "
+                     "the total counts slots, not distinct tokens")
+    return Plan(
+        bytes_per_token=config.bytes_per_token,
+        bytes_per_block=block,
+        block_size=config.block_size,
+        tiers=tiers,
+        total_tokens=sum(t.tokens for t in tiers),
+        model=config.model.name,
+        write_policy=config.write_policy,
+        notes=notes,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / sizing.GiB:,.2f}"
+
+
+def format_plan(plan: Plan) -> str:
+    """A readable table: thousands separators, bytes also in GiB."""
+    lines = [
+        f"model            {plan.model}",
+        f"bytes per token  {plan.bytes_per_token:,} ({sizing.format_bytes(plan.bytes_per_token)})",
+        f"block size       {plan.block_size:,} tokens",
+        f"bytes per block  {plan.bytes_per_block:,} ({sizing.format_bytes(plan.bytes_per_block)})",
+        "",
+    ]
+    header = ("tier", "blocks", "bytes", "GiB", "tokens")
+    rows = [(t.name, f"{t.num_blocks:,}", f"{t.bytes:,}", _gib(t.bytes), f"{t.tokens:,}")
+            for t in plan.tiers]
+    rows.append(("total", f"{plan.total_blocks:,}", f"{plan.total_bytes:,}",
+                 _gib(plan.total_bytes), f"{plan.total_tokens:,}"))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row: tuple[str, ...]) -> str:
+        first = row[0].ljust(widths[0])
+        rest = (cell.rjust(w) for cell, w in zip(row[1:], widths[1:], strict=True))
+        return "  ".join([first, *rest])
+
+    lines.append(fmt(header))
+    lines.append("  ".join("-" * w for w in widths))
+    lines.extend(fmt(r) for r in rows[:-1])
+    lines.append("  ".join("-" * w for w in widths))
+    lines.append(fmt(rows[-1]))
+    lines.extend(f"note: {n}" for n in plan.notes)
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="YAML config (default: the embedded default config)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", default=None,
+                        help="free GPU memory that a '%%' gpu capacity applies to, e.g. 80GiB "
+                             "(default: ask this machine)")
+    parser.add_argument("--host-memory", metavar="SIZE", default=None,
+                        help="free host memory that a '%%' host capacity applies to, e.g. 512GiB "
+                             "(default: ask this machine)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _free_override(text: str | None, option: str, capacity: Any) -> int | None:
+    if text is None:
+        return None
+    kind, value = sizing.parse_size(text, option)
+    if kind != "bytes":
+        raise ConfigError(option, f"expected an absolute size like '512GiB', got {text!r}")
+    if capacity is None or sizing.parse_size(capacity, option)[0] != "fraction":
+        print(f"note: {option} is ignored: that tier's size is not a '%' capacity",
+              file=sys.stderr)
+    return int(value)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Print the plan (table, or JSON with --json). Returns 0, or 2 on a config error."""
+    try:
+        config = CacheConfig.from_yaml(args.config) if args.config else CacheConfig.default()
+        gpu_free = _free_override(args.gpu_memory, "--gpu-memory", config.tiers.gpu.capacity)
+        host_free = _free_override(args.host_memory, "--host-memory",
+                                   config.tiers.host.capacity)
+        plan = make_plan(config, gpu_free=gpu_free, host_free=host_free)
+    except TieredCacheError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if not isinstance(exc, ConfigError):
+            print("hint: pass --gpu-memory SIZE to plan for a GPU this machine does not have",
+                  file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _parser = argparse.ArgumentParser(prog="tiered-cache plan", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))

@@ -1,0 +1,189 @@
+"""Sizes and free memory: the size syntax of the config, how many blocks a tier gets, the L2
+size behind `block_size: auto`.
+
+Pure Python at import time: torch is imported lazily inside the functions that ask CUDA, so
+`tiered_cache.config` stays fast to import and usable on a machine without torch.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tiered_cache.errors import ConfigError, TierUnavailableError
+
+if TYPE_CHECKING:
+    from tiered_cache.config import CacheConfig
+
+KiB = 1024
+MiB = 1024**2
+GiB = 1024**3
+TiB = 1024**4
+
+# Binary units are powers of 1024, decimal units powers of 1000 (as in IEC 80000-13).
+_UNITS = {
+    "": 1, "b": 1,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_PCT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+SIZE_HINT = "expected a size like '64GiB' or '70%'"
+
+# block_size: auto is clamped to this range (tokens per block).
+AUTO_BLOCK_MIN = 8
+AUTO_BLOCK_MAX = 256
+DEFAULT_L2_BYTES = 1 * MiB
+_SYS_L2 = Path("/sys/devices/system/cpu/cpu0/cache/index2/size")
+_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::\d+)?)$")
+
+
+def parse_size(text: str | int | float, path: str) -> tuple[str, float]:
+    """Parse a config size.
+
+    Returns `("bytes", n)` with `n` an int for an absolute size (`"40GiB"`, `"512 MiB"`,
+    `"1.5GB"`, `"100KB"`, `"4096B"`, `"4096"`, `4096`), or `("fraction", f)` with `0 < f <= 1`
+    for a percentage of free memory (`"70%"` -> 0.7). Units are case-insensitive. Raises
+    ConfigError(path, ...) for anything else.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+    if isinstance(text, (int, float)):
+        if not (text >= 0 and text != float("inf")):  # also rejects NaN
+            raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+        return "bytes", int(text)
+    if not isinstance(text, str):
+        raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+    m = _PCT_RE.match(text)
+    if m:
+        pct = float(m.group(1))
+        if not 0 < pct <= 100:
+            raise ConfigError(path, f"expected a percentage in (0%, 100%], got {text!r}")
+        return "fraction", pct / 100.0
+    m = _SIZE_RE.match(text)
+    if m and m.group(2).lower() in _UNITS:
+        return "bytes", int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+
+
+def format_bytes(n: float) -> str:
+    """`5242880` -> `'5.00 MiB'` (binary units)."""
+    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def resolve_device(device: str) -> str:
+    """`"auto"` -> `"cuda"` when CUDA is available, else `"cpu"`. `"cuda"`/`"cuda:N"` without
+    CUDA (or with no device N) raises TierUnavailableError."""
+    if not isinstance(device, str) or not _DEVICE_RE.match(device):
+        raise ConfigError("tiers.gpu.device",
+                          f"expected one of 'auto', 'cpu', 'cuda', 'cuda:N', got {device!r}")
+    if device == "cpu":
+        return "cpu"
+    if device == "auto":
+        return "cuda" if _cuda_available() else "cpu"
+    if not _cuda_available():
+        raise TierUnavailableError(
+            f"tiers.gpu.device is {device!r} but CUDA is not available here "
+            "(use 'auto' to fall back to CPU memory, or 'cpu')")
+    if ":" in device:
+        import torch
+
+        index = int(device.split(":", 1)[1])
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise TierUnavailableError(
+                f"tiers.gpu.device is {device!r} but this machine has {count} CUDA device(s)")
+    return device
+
+
+def free_bytes(device: str) -> int:
+    """Free memory that a `"%"` capacity applies to: available host memory (psutil) for
+    `"cpu"`/`"host"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
+    if device in ("cpu", "host"):
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    device = resolve_device(device)
+    if device == "cpu":
+        return free_bytes("cpu")
+    import torch
+
+    return int(torch.cuda.mem_get_info(torch.device(device))[0])
+
+
+def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> int:
+    """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or, for a
+    `"%"` capacity, fraction * free // block_bytes. `free` defaults to the free memory of the
+    tier's device (gpu: its resolved device; host: `"cpu"`). At least one block for gpu; host may
+    get 0 (no host tier)."""
+    if tier not in ("gpu", "host"):
+        raise ValueError(f"unknown tier {tier!r}; expected 'gpu' or 'host'")
+    tcfg = config.tiers.gpu if tier == "gpu" else config.tiers.host
+    if tcfg.num_blocks is not None:
+        return tcfg.num_blocks
+    path = f"tiers.{tier}.capacity"
+    block = config.block_bytes
+    kind, value = parse_size(tcfg.capacity, path)
+    if kind == "bytes":
+        n = int(value) // block
+        what = f"{tcfg.capacity!r} ({int(value):,} bytes)"
+    else:
+        if free is None:
+            free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
+        n = int(value * free) // block
+        what = f"{tcfg.capacity!r} of {free:,} free bytes"
+    if tier == "gpu" and n < 1:
+        raise ConfigError(path, f"{what} holds no block of {block:,} bytes")
+    return n
+
+
+def _parse_sys_size(text: str) -> int | None:
+    """`"1024K"` -> 1048576, `"2M"` -> 2097152, `"512"` -> 512 (sysfs cache sizes)."""
+    m = re.match(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", text, re.IGNORECASE)
+    if not m:
+        return None
+    return int(m.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[m.group(2).upper()]
+
+
+def l2_cache_bytes(device: str = "auto") -> int:
+    """L2 cache size for the `block_size: auto` heuristic: the CUDA device's L2 when CUDA is
+    available and `device` isn't `"cpu"`; else cpu0's L2 from sysfs; else 1 MiB."""
+    if device != "cpu" and _cuda_available():
+        import torch
+
+        index = 0
+        if isinstance(device, str) and device.startswith("cuda:"):
+            index = int(device.split(":", 1)[1])
+        if index < torch.cuda.device_count():
+            size = int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0))
+            if size > 0:
+                return size
+    try:
+        size = _parse_sys_size(_SYS_L2.read_text())
+    except OSError:
+        size = None
+    return size if size else DEFAULT_L2_BYTES
+
+
+def auto_block_size(l2_bytes: int, kv_hidden: int, dtype_size: int) -> int:
+    """Heuristic block size: the tokens whose K and V of one layer fit in L2,
+    `l2_bytes / (2 * kv_hidden * dtype_size)`, rounded down to a power of two and clamped to
+    [8, 256]."""
+    tokens = int(l2_bytes) // (2 * kv_hidden * dtype_size)
+    if tokens < 1:
+        return AUTO_BLOCK_MIN
+    pow2 = 1 << (tokens.bit_length() - 1)
+    return max(AUTO_BLOCK_MIN, min(AUTO_BLOCK_MAX, pow2))
