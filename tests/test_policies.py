@@ -1,0 +1,504 @@
+"""Eviction policies: the candidate-set contract for every registered policy, plus hand-made
+cases with known answers for each one."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tiered_cache.block import Block
+from tiered_cache.errors import ConfigError
+from tiered_cache.policies import (
+    POLICIES,
+    ARCPolicy,
+    CachePolicy,
+    CostAwarePolicy,
+    LFUPolicy,
+    LRUPolicy,
+    PriorityPolicy,
+    S3FIFOPolicy,
+    resolve,
+)
+
+NAMES = sorted(POLICIES)
+
+
+def mk(i: int, depth: int = 0, hits: int = 0, last_access: int = 0) -> Block:
+    b = Block(id=i, depth=depth, num_tiers=2)
+    b.hits = hits
+    b.last_access = last_access
+    return b
+
+
+def hit(policy: CachePolicy, block: Block, now: int) -> None:
+    """What the cache does on a reuse: update the history, then tell the policy."""
+    block.hits += 1
+    block.last_access = now
+    policy.access(block)
+
+
+def ids(blocks: list[Block]) -> list[int]:
+    return [b.id for b in blocks]
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+
+def test_registry_names_all_policies():
+    assert set(POLICIES) == {"lru", "lfu", "cost_aware", "s3fifo", "arc"}
+    for name, cls in POLICIES.items():
+        assert resolve(name) is cls
+        assert cls.name == name
+        assert issubclass(cls, CachePolicy)
+
+
+def test_resolve_dotted_path_and_errors():
+    assert resolve("tiered_cache.policies.arc:ARCPolicy") is ARCPolicy
+    with pytest.raises(ConfigError, match="unknown policy"):
+        resolve("mru")
+    with pytest.raises(ConfigError, match="not a subclass"):
+        resolve("tiered_cache.block:Block")
+
+
+# --- the contract, for every policy -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_victims_are_candidates_each_once_at_most_n(name):
+    policy = POLICIES[name](capacity_blocks=32)
+    blocks = [mk(i, depth=i % 5, hits=i % 3, last_access=i) for i in range(20)]
+    for b in blocks:
+        policy.insert(b)
+    removed = {blocks[i].id for i in (0, 3, 7, 11, 19)}
+    for i in removed:
+        policy.remove(blocks[i])
+    assert len(policy) == 15
+    assert policy.victims(0) == []
+
+    first = policy.victims(4)
+    assert len(first) == 4
+    assert len(policy) == 11
+    rest = policy.victims(100)
+    assert len(rest) == 11
+    got = ids(first + rest)
+    assert len(set(got)) == len(got)
+    assert set(got) == {b.id for b in blocks} - removed
+    assert len(policy) == 0
+    assert policy.victims(5) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_len_tracks_candidates_and_redundant_calls_are_harmless(name):
+    policy = POLICIES[name](capacity_blocks=8)
+    a, b = mk(1), mk(2, depth=1)
+    assert len(policy) == 0
+    policy.insert(a)
+    policy.insert(a)                      # already a candidate
+    assert len(policy) == 1
+    policy.remove(b)                      # never a candidate
+    assert len(policy) == 1
+    policy.insert(b)
+    assert len(policy) == 2
+    policy.remove(a)
+    policy.remove(a)
+    assert len(policy) == 1
+    assert ids(policy.victims(5)) == [2]
+    assert len(policy) == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_insert_remove_churn_stays_consistent(name):
+    policy = POLICIES[name](capacity_blocks=16)
+    blocks = [mk(i, depth=i % 4, last_access=i) for i in range(10)]
+    now = 100
+    for rnd in range(50):
+        for b in blocks:
+            policy.insert(b)
+        for b in blocks[rnd % 3::3]:
+            policy.remove(b)              # pinned
+            now += 1
+            hit(policy, b, now)
+            policy.insert(b)              # unpinned
+        for b in blocks[::2]:
+            policy.remove(b)
+        assert len(policy) == 5
+        for b in blocks[::2]:
+            policy.insert(b)
+        assert len(policy) == 10
+    out = policy.victims(10)
+    assert sorted(ids(out)) == list(range(10))
+    assert len(policy) == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_stays_bounded(name):
+    cap = 16
+    policy = POLICIES[name](capacity_blocks=cap)
+    hot = [mk(i, depth=1) for i in range(4)]
+    for b in hot:
+        policy.insert(b)
+    now = 0
+    for i in range(100, 5100):            # a stream of blocks that come and go
+        b = mk(i, depth=i % 7)
+        now += 1
+        hit(policy, b, now)               # hit before it was ever a candidate here
+        policy.insert(b)
+        if i % 3 == 0:
+            policy.remove(b)              # pinned, then its copy is dropped: never back
+        if len(policy) > cap:
+            policy.victims(len(policy) - cap)
+        h = hot[i % 4]
+        now += 1
+        hit(policy, h, now)               # hot candidates hit over and over
+    assert len(policy) <= cap
+    if isinstance(policy, PriorityPolicy):
+        assert len(policy._heap) <= max(1024, 2 * len(policy._live))
+    if isinstance(policy, S3FIFOPolicy):
+        assert len(policy._ghost) <= cap and len(policy._parked) <= cap
+        assert len(policy._freq) == len(policy)
+    if isinstance(policy, ARCPolicy):
+        assert len(policy._b1) + len(policy._b2) <= cap and len(policy._parked) <= cap
+        assert len(policy._t1) + len(policy._b1) <= cap
+        assert 0 <= policy.p <= cap
+
+
+def test_priority_heap_does_not_grow_under_access_only():
+    # Regression: re-keying a candidate on `access` pushes a new heap entry; compaction used to run
+    # only in `remove`, so hits without removes grew the heap without bound.
+    policy = LRUPolicy(capacity_blocks=8)
+    blocks = [mk(i) for i in range(4)]
+    for b in blocks:
+        policy.insert(b)
+    for now in range(1, 20_001):
+        hit(policy, blocks[now % 4], now)
+    assert len(policy._heap) <= 1024
+    assert len(policy) == 4
+
+
+# --- LRU --------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_oldest_last_access():
+    policy = LRUPolicy(capacity_blocks=8)
+    for i, la in enumerate([5, 1, 3, 4, 2]):
+        policy.insert(mk(i, last_access=la))
+    assert ids(policy.victims(5)) == [1, 4, 2, 3, 0]
+
+
+def test_lru_tie_goes_to_deeper_block():
+    policy = LRUPolicy(capacity_blocks=8)
+    policy.insert(mk(1, depth=2, last_access=7))
+    policy.insert(mk(2, depth=9, last_access=7))
+    policy.insert(mk(3, depth=5, last_access=7))
+    policy.insert(mk(4, depth=20, last_access=8))
+    assert ids(policy.victims(4)) == [2, 3, 1, 4]
+
+
+def test_lru_access_rekeys_candidate():
+    policy = LRUPolicy(capacity_blocks=8)
+    a, b = mk(1, last_access=1), mk(2, last_access=2)
+    policy.insert(a)
+    policy.insert(b)
+    hit(policy, a, 3)
+    assert ids(policy.victims(2)) == [2, 1]
+
+
+# --- LFU-DA -----------------------------------------------------------------------------------
+
+
+def test_lfu_evicts_least_hit_first():
+    policy = LFUPolicy(capacity_blocks=8)
+    for i, h in enumerate([3, 0, 2, 1]):
+        policy.insert(mk(i, hits=h, last_access=10 - i))
+    assert ids(policy.victims(4)) == [1, 3, 2, 0]
+
+
+def test_lfu_ties_go_to_least_recent():
+    policy = LFUPolicy(capacity_blocks=8)
+    policy.insert(mk(1, hits=2, last_access=9))
+    policy.insert(mk(2, hits=2, last_access=4))
+    policy.insert(mk(3, hits=2, last_access=6))
+    assert ids(policy.victims(3)) == [2, 3, 1]
+
+
+def test_lfu_access_raises_priority():
+    policy = LFUPolicy(capacity_blocks=8)
+    a, b = mk(1, last_access=1), mk(2, last_access=2)
+    policy.insert(a)
+    policy.insert(b)
+    hit(policy, a, 3)
+    assert ids(policy.victims(1)) == [2]
+
+
+def test_lfu_aging_lets_a_new_block_outlive_an_old_favourite():
+    # A was hit 4 times long ago (priority 0 + 4). Each round a fresh block with 1 hit arrives
+    # and one block is evicted. Plain LFU would keep A forever; with aging the clock rises to
+    # each victim's priority (1, 2, 3), so the 4th newcomer enters at 3 + 1 = 4, level with A,
+    # and A, the least recent, goes. From then on A would lose to any newcomer.
+    policy = LFUPolicy(capacity_blocks=2)
+    old = mk(0, hits=4, last_access=0)
+    policy.insert(old)
+    for rnd in range(1, 4):
+        policy.insert(mk(rnd, hits=1, last_access=rnd))
+        assert ids(policy.victims(1)) == [rnd]          # the newcomer loses while young
+        assert policy.clock == rnd
+    newcomer = mk(4, hits=1, last_access=4)
+    policy.insert(newcomer)
+    assert ids(policy.victims(1)) == [0]                 # 4 hits, but aged out
+    assert len(policy) == 1 and policy.victims(1) == [newcomer]
+
+
+# --- cost-aware (GDSF) ------------------------------------------------------------------------
+
+
+def test_cost_aware_formula():
+    policy = CostAwarePolicy(capacity_blocks=8, block_size=16, cost_context_tokens=53_000.0)
+    assert policy.cost(mk(0, depth=0)) == pytest.approx(1 + 0.5 * 16 / 53_000)
+    assert policy.cost(mk(1, depth=1000)) == pytest.approx(1 + 1000.5 * 16 / 53_000)
+    assert policy.priority(mk(2, depth=10, hits=3)) == pytest.approx(4 * (1 + 10.5 * 16 / 53_000))
+
+
+def test_cost_aware_keeps_deeper_block_at_equal_hits():
+    # The heap's own tie-break would take the deeper block first; the cost term overrides it.
+    policy = CostAwarePolicy(capacity_blocks=8)
+    policy.insert(mk(1, depth=0, hits=2))
+    policy.insert(mk(2, depth=300, hits=2))
+    policy.insert(mk(3, depth=50, hits=2))
+    assert ids(policy.victims(3)) == [1, 3, 2]
+
+
+def test_cost_aware_keeps_frequent_block_at_equal_depth():
+    policy = CostAwarePolicy(capacity_blocks=8)
+    policy.insert(mk(1, depth=40, hits=5))
+    policy.insert(mk(2, depth=40, hits=0))
+    policy.insert(mk(3, depth=40, hits=2))
+    assert ids(policy.victims(3)) == [2, 3, 1]
+
+
+def test_cost_aware_frequency_outweighs_mild_depth_cost():
+    # For a 70B model a block 16K tokens deep costs ~1.3x a first block: one extra hit is worth
+    # more than that.
+    policy = CostAwarePolicy(capacity_blocks=8, block_size=16, cost_context_tokens=53_000.0)
+    policy.insert(mk(1, depth=0, hits=1))
+    policy.insert(mk(2, depth=1000, hits=0))
+    assert ids(policy.victims(1)) == [2]
+
+
+def test_cost_aware_clock_is_last_victim_priority():
+    policy = CostAwarePolicy(capacity_blocks=8)
+    a = mk(1, depth=3, hits=1)
+    policy.insert(a)
+    expected = policy.priority(a)
+    policy.insert(mk(2, depth=3, hits=5))
+    policy.victims(1)
+    assert policy.clock == pytest.approx(expected)
+    late = mk(3, depth=3, hits=0)
+    assert policy.priority(late) == pytest.approx(expected + policy.cost(late))
+
+
+# --- S3-FIFO ----------------------------------------------------------------------------------
+
+
+def fill_and_scan(policy: CachePolicy, cap: int, scan: int, now: int) -> set[int]:
+    """Insert `scan` one-hit blocks, evicting down to `cap` after each; return ids evicted."""
+    evicted: set[int] = set()
+    for i in range(1000, 1000 + scan):
+        now += 1
+        policy.insert(mk(i, last_access=now))
+        if len(policy) > cap:
+            evicted |= set(ids(policy.victims(len(policy) - cap)))
+    return evicted
+
+
+def test_s3fifo_scan_does_not_push_out_block_used_twice():
+    cap = 10
+    policy = S3FIFOPolicy(capacity_blocks=cap)
+    hot = mk(1, last_access=1)
+    policy.insert(hot)
+    hit(policy, hot, 2)
+    hit(policy, hot, 3)
+    evicted = fill_and_scan(policy, cap, scan=200, now=3)
+    assert hot.id not in evicted
+    assert len(evicted) == 200 - (cap - 1)
+    assert hot.id in policy._main
+
+    # LRU, by contrast, loses it to the scan.
+    lru = LRUPolicy(capacity_blocks=cap)
+    hot2 = mk(1, last_access=1)
+    lru.insert(hot2)
+    hit(lru, hot2, 2)
+    hit(lru, hot2, 3)
+    assert hot2.id in fill_and_scan(lru, cap, scan=200, now=3)
+
+
+def test_s3fifo_scan_resistance_with_pin_unpin_flow():
+    # The cache's real flow for a reuse: pinned (remove), hit (access), unpinned (insert).
+    cap = 10
+    policy = S3FIFOPolicy(capacity_blocks=cap)
+    hot = mk(1, last_access=1)
+    policy.insert(hot)
+    for now in (2, 3):
+        policy.remove(hot)
+        hit(policy, hot, now)
+        policy.insert(hot)
+    assert hot.id not in fill_and_scan(policy, cap, scan=200, now=3)
+
+
+def test_s3fifo_unused_block_leaves_small_to_ghost_and_returns_to_main():
+    policy = S3FIFOPolicy(capacity_blocks=10)
+    a, b = mk(1), mk(2)
+    policy.insert(a)
+    policy.insert(b)
+    assert ids(policy.victims(1)) == [1]                 # FIFO, never used: straight out
+    assert 1 in policy._ghost
+    policy.insert(a)                                     # back soon: evicted too early
+    assert 1 in policy._main and 1 not in policy._ghost
+
+
+def test_s3fifo_main_gives_second_chances_by_frequency():
+    policy = S3FIFOPolicy(capacity_blocks=10)            # small target: 1 block
+    blocks = [mk(i) for i in range(3)]
+    for b in blocks:
+        policy.insert(b)
+        hit(policy, b, b.id + 1)
+    # Small over target: 0 and 1 were used, so they move to main (bits cleared) until small is
+    # back at its target; then main's oldest, 0, with no bit left, is the victim.
+    assert ids(policy.victims(1)) == [0]
+    assert list(policy._main) == [1] and list(policy._small) == [2]
+    hit(policy, blocks[1], 10)                           # 1 earns a bit while in main
+    policy.insert(mk(3))
+    # 2 is promoted (small over target), then main: 1 spends its bit and goes round, 2 goes.
+    assert ids(policy.victims(1)) == [2]
+    assert ids(policy.victims(2)) == [1, 3]
+
+
+def test_s3fifo_freq_and_queue_survive_leaving_candidacy():
+    policy = S3FIFOPolicy(capacity_blocks=10)
+    a, b = mk(1), mk(2)
+    policy.insert(a)
+    policy.insert(b)
+    policy.remove(a)                                     # pinned
+    hit(policy, a, 5)
+    policy.insert(a)                                     # unpinned: small, tail, freq 1
+    assert 1 in policy._small and policy._freq[1] == 1
+    assert ids(policy.victims(1)) == [2]                 # a's bit saves it
+    assert policy.victims(1) == [a]                      # promoted (bits cleared), then evicted
+    # A block in main that is pinned and unpinned goes back to main.
+    c = mk(3)
+    policy.insert(c)
+    hit(policy, c, 6)
+    policy.insert(mk(4))
+    policy.insert(mk(5))
+    policy.victims(1)                                    # c promoted to main, 4 evicted
+    assert 3 in policy._main
+    policy.remove(c)
+    policy.insert(c)
+    assert 3 in policy._main and 3 not in policy._small
+
+
+# --- ARC --------------------------------------------------------------------------------------
+
+
+def test_arc_scan_does_not_push_out_block_used_twice():
+    cap = 10
+    policy = ARCPolicy(capacity_blocks=cap)
+    hot = mk(1, last_access=1)
+    policy.insert(hot)
+    hit(policy, hot, 2)
+    assert hot.id in policy._t2
+    evicted = fill_and_scan(policy, cap, scan=200, now=3)
+    assert hot.id not in evicted
+    assert len(evicted) == 200 - (cap - 1)
+
+
+def test_arc_scan_resistance_with_pin_unpin_flow():
+    cap = 10
+    policy = ARCPolicy(capacity_blocks=cap)
+    hot = mk(1, last_access=1)
+    policy.insert(hot)
+    policy.remove(hot)
+    hit(policy, hot, 2)
+    policy.insert(hot)
+    assert hot.id in policy._t2
+    assert hot.id not in fill_and_scan(policy, cap, scan=200, now=3)
+
+
+def test_arc_block_hit_before_first_candidacy_is_frequent():
+    policy = ARCPolicy(capacity_blocks=10)
+    a = mk(1)
+    hit(policy, a, 1)                                    # pinned from birth, reused
+    policy.insert(a)
+    assert 1 in policy._t2
+
+
+def test_arc_ghost_hits_adapt_p():
+    policy = ARCPolicy(capacity_blocks=4)
+    blocks = [mk(i) for i in range(4)]
+    for b in blocks:
+        policy.insert(b)
+    assert ids(policy.victims(2)) == [0, 1]              # LRU of T1 -> B1
+    assert list(policy._b1) == [0, 1]
+    policy.insert(blocks[0])                             # B1 hit: T1 was too small
+    assert policy.p == 1.0 and 0 in policy._t2 and 0 not in policy._b1
+    hit(policy, blocks[2], 5)                            # T1: [3], T2: [0, 2]
+    assert ids(policy.victims(1)) == [0]                 # |T1| = 1 = p: take T2's LRU
+    assert list(policy._b2) == [0]
+    policy.insert(blocks[0])                             # B2 hit: frequency list too small
+    assert policy.p == 0.0 and 0 in policy._t2
+    assert ids(policy.victims(1)) == [3]                 # |T1| = 1 > p = 0: T1's LRU
+
+
+def test_arc_falls_back_to_other_list():
+    policy = ARCPolicy(capacity_blocks=4)
+    a, b = mk(1), mk(2)
+    policy.insert(a)
+    policy.insert(b)
+    hit(policy, a, 1)
+    hit(policy, b, 2)                                    # T1 empty
+    assert ids(policy.victims(2)) == [1, 2]
+
+
+# --- random operations against a reference candidate set -------------------------------------
+
+N_BLOCKS = 12
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.integers(0, N_BLOCKS - 1)),
+        st.tuples(st.just("remove"), st.integers(0, N_BLOCKS - 1)),
+        st.tuples(st.just("access"), st.integers(0, N_BLOCKS - 1)),
+        st.tuples(st.just("victims"), st.integers(0, 5)),
+    ),
+    max_size=80,
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@settings(max_examples=200, deadline=None)
+@given(ops=OPS, capacity=st.integers(1, 8))
+def test_random_operations_match_reference(name, ops, capacity):
+    policy = POLICIES[name](capacity_blocks=capacity)
+    blocks = [mk(i, depth=i % 4) for i in range(N_BLOCKS)]
+    candidates: set[int] = set()
+    now = 0
+    for op, arg in ops:
+        if op == "insert":
+            if arg not in candidates:     # the cache only inserts non-candidates
+                policy.insert(blocks[arg])
+                candidates.add(arg)
+        elif op == "remove":
+            if arg in candidates:         # ... and only removes candidates
+                policy.remove(blocks[arg])
+                candidates.discard(arg)
+        elif op == "access":
+            now += 1
+            hit(policy, blocks[arg], now)
+        else:
+            out = ids(policy.victims(arg))
+            assert len(out) == len(set(out)) == min(arg, len(candidates))
+            assert set(out) <= candidates
+            candidates -= set(out)
+        assert len(policy) == len(candidates)
+    rest = ids(policy.victims(N_BLOCKS + 1))
+    assert sorted(rest) == sorted(candidates)
+    assert len(policy) == 0

@@ -1,0 +1,120 @@
+"""ARC: Adaptive Replacement Cache.
+
+Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead Replacement Cache", FAST 2003.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tiered_cache.block import Block
+from tiered_cache.policies.base import CachePolicy
+from tiered_cache.policies.s3fifo import Parked
+
+# Where a block goes when it (re)joins the candidate set. NEW_HIT: never a candidate here yet,
+# but already reused (hit while pinned from birth), so it is frequent, not recent.
+NEW, NEW_HIT, T1, T2 = 0, 1, 2, 3
+
+
+class ARCPolicy(CachePolicy):
+    """ARC (Megiddo and Modha, FAST'03) over the tier's candidates.
+
+    - T1 holds blocks used once (recency), T2 blocks used at least twice (frequency); both are
+      LRU lists, least recent first.
+    - B1 and B2 remember the ids of blocks evicted from T1 and T2 (ghosts, no data).
+    - `p` is the adaptive target size of T1. A block re-entering the tier while its id is in B1
+      means T1 was too small: p grows by max(1, |B2|/|B1|); found in B2, p shrinks by
+      max(1, |B1|/|B2|). Either way the block goes to T2's MRU end.
+    - `access` moves a candidate to T2's MRU end.
+    - `victims` applies ARC's REPLACE: take T1's LRU block if |T1| > p, else T2's, falling back
+      to the other list when the chosen one is empty. The ghost-hit tie rule (|T1| = p and the
+      request is in B2) has no request to look at here, since eviction is decoupled from
+      insertion, so a tie goes to T2.
+
+    Directory bounds as in ARC: |T1| + |B1| <= c and |B1| + |B2| <= c, c = `capacity_blocks`
+    (the oldest ghost is dropped; B2 first when both ghosts together are full). All hooks O(1).
+
+    Adapted to candidates: T1/T2 only hold candidates. A pinned block leaves its list; which
+    list, and whether it was hit meanwhile (then it rejoins T2), is kept in a bounded `Parked`
+    table, and it rejoins at the MRU end, since a pin means it was just in use.
+    """
+
+    name = "arc"
+
+    def __init__(self, capacity_blocks: int, **kw) -> None:
+        super().__init__(capacity_blocks, **kw)
+        self.c = max(1, capacity_blocks)
+        self.p = 0.0
+        self._t1: OrderedDict[int, Block] = OrderedDict()   # LRU first, MRU last
+        self._t2: OrderedDict[int, Block] = OrderedDict()
+        self._b1: OrderedDict[int, None] = OrderedDict()
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._parked = Parked(capacity_blocks)
+
+    def insert(self, block: Block) -> None:
+        bid = block.id
+        if bid in self._t1 or bid in self._t2:
+            return
+        where = self._parked.pop(block)
+        if where is None or where in (NEW, NEW_HIT):
+            # The block enters the tier: an ARC miss. A ghost hit adapts p.
+            if bid in self._b1:
+                self.p = min(float(self.c), self.p + max(1.0, len(self._b2) / len(self._b1)))
+                del self._b1[bid]
+                where = T2
+            elif bid in self._b2:
+                self.p = max(0.0, self.p - max(1.0, len(self._b1) / len(self._b2)))
+                del self._b2[bid]
+                where = T2
+            else:
+                where = T2 if where == NEW_HIT else T1
+        if where == T2:
+            self._t2[bid] = block
+        else:
+            self._t1[bid] = block
+            self._trim_ghosts()        # |T1| grew: keep |T1| + |B1| <= c
+
+    def remove(self, block: Block) -> None:
+        bid = block.id
+        if self._t1.pop(bid, None) is not None:
+            self._parked.put(block, T1)
+        elif self._t2.pop(bid, None) is not None:
+            self._parked.put(block, T2)
+
+    def access(self, block: Block) -> None:
+        bid = block.id
+        if bid in self._t1:            # second use: recency -> frequency
+            del self._t1[bid]
+            self._t2[bid] = block
+        elif bid in self._t2:
+            self._t2.move_to_end(bid)
+        else:
+            where = self._parked.get(block)
+            self._parked.put(block, T2 if where in (T1, T2) else NEW_HIT)
+
+    def victims(self, n: int) -> list[Block]:
+        out: list[Block] = []
+        t1, t2 = self._t1, self._t2
+        while len(out) < n and (t1 or t2):
+            if t1 and (len(t1) > self.p or not t2):
+                bid, block = t1.popitem(last=False)
+                self._b1[bid] = None
+                self._b1.move_to_end(bid)
+            else:
+                bid, block = t2.popitem(last=False)
+                self._b2[bid] = None
+                self._b2.move_to_end(bid)
+            out.append(block)
+            self._trim_ghosts()
+        return out
+
+    def _trim_ghosts(self) -> None:
+        # Amortized O(1): every ghost entry is dropped at most once.
+        b1, b2 = self._b1, self._b2
+        while b1 and len(self._t1) + len(b1) > self.c:
+            b1.popitem(last=False)
+        while len(b1) + len(b2) > self.c:
+            (b2 if b2 else b1).popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
