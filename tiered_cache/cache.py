@@ -1,0 +1,649 @@
+"""`TieredKVCache`: the public facade over the prefix index, the tiers and their storage.
+
+Invariants (checked by the stateful property tests after every step):
+
+1. Every slot of every tier is free xor held by exactly one block.
+2. `block.ref_count` equals the number of open sequences whose block table holds the block.
+3. The index names only published blocks that hold at least one copy; a published block's parent
+   is published (or it is a root), so every published block is reachable from its root.
+4. A block is a candidate of tier t's policy iff it is published, has a copy in t, is not in
+   flight, has no child with a copy in t, and is unpinned or also held by a faster tier. So
+   victims are always leaves of their tier and never a block an open sequence reads.
+5. Every block of an open sequence has a copy in the device tier (tier 0).
+
+NOTE: one re-entrant lock guards the control plane. Public calls validate their input before
+they take it, and every step that can fail (allocation, copies) runs before the first visible
+change, or is rolled back, so a raised error leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+from tiered_cache import policies
+from tiered_cache.allocator import SlotAllocator
+from tiered_cache.block import NO_SLOT, Block
+from tiered_cache.config import CacheConfig
+from tiered_cache.errors import (
+    CapacityError,
+    DTypeError,
+    LayerError,
+    SequenceClosedError,
+    ShapeError,
+    StorageDisabledError,
+    TransferError,
+)
+from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
+from tiered_cache.sequence import Sequence
+from tiered_cache.sizing import resolve_device, tier_num_blocks
+from tiered_cache.tier import Tier
+from tiered_cache.transfer import Transfer, execute
+
+GPU, HOST = 0, 1
+
+
+class TieredKVCache:
+    """A KV cache whose blocks live in a device tier and a host tier, shared across requests.
+
+    ```
+    with TieredKVCache(CacheConfig.from_yaml("configs/default.yaml")) as cache:
+        seq = cache.open(prompt_ids)          # longest cached prefix, pinned
+        for layer in range(L):                # KV of the uncached tokens only
+            cache.write(seq, layer, k, v)
+        k, v = cache.gather(seq, layer)
+        cache.close(seq)                      # full blocks stay cached and evictable
+    ```
+    """
+
+    def __init__(self, config: CacheConfig | None = None, *, registry=None,
+                 hash_fn: HashFn = xxh3_128) -> None:
+        self.config = config = config if config is not None else CacheConfig.default()
+        model = config.model
+        self.block_size: int = int(config.block_size)
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.has_storage = config.storage == "tensors"
+        self.device = resolve_device(config.tiers.gpu.device) if self.has_storage else "cpu"
+        self.block_bytes = config.block_bytes
+        self.hasher = BlockHasher(
+            Namespace(model.name, model.dtype, model.num_layers, model.num_kv_heads,
+                      model.head_dim, self.block_size, config.adapter_id), hash_fn)
+        self.verify_tokens = config.verify_tokens
+        self.write_through = config.write_policy == "write_through"
+        self.tiers = self._build_tiers(config)
+        self.index: dict[bytes, Block] = {}
+        self._lock = threading.RLock()
+        self._clock = 0
+        self._block_ids = itertools.count()
+        self._open: dict[int, Sequence] = {}
+        self.counters = dict.fromkeys(
+            ("query_tokens", "hit_tokens", "promotions", "promotion_bytes", "demotions",
+             "demotion_bytes", "write_through_blocks", "collisions", "duplicates",
+             "invalidated_blocks", "dropped_blocks"), 0)
+        self.registry = registry
+        if registry is not None:
+            from tiered_cache.metrics import CacheCollector
+            registry.register(CacheCollector(self))
+
+    def _build_tiers(self, config: CacheConfig) -> list[Tier]:
+        from tiered_cache.storage import make_pool
+
+        policy_cls = policies.resolve(config.policy)
+        model = config.model
+        hidden = config.num_q_heads * model.head_dim
+        cost_ctx = (model.num_params / (2 * model.num_layers * hidden)
+                    if model.num_params else 53_000.0)
+        geometry = dict(num_layers=model.num_layers, block_size=self.block_size,
+                        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                        dtype=model.dtype)
+        tiers = []
+        for name in ("gpu", "host"):
+            n = tier_num_blocks(config, name)
+            if name == "host" and n == 0:
+                continue                        # `num_blocks: 0`: a device-only cache
+            pool = None
+            if self.has_storage:
+                pool = make_pool(name, n, device=self.device,
+                                 memory=config.tiers.host.memory, **geometry)
+            policy = policy_cls(n, block_size=self.block_size, cost_context_tokens=cost_ctx)
+            tiers.append(Tier(name, len(tiers), SlotAllocator(n), policy, pool))
+        return tiers
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> TieredKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Close every open sequence (their full blocks stay cached)."""
+        with self._lock:
+            for seq in list(self._open.values()):
+                self.close(seq)
+
+    # ------------------------------------------------------------------ public API
+    def open(self, token_ids, *, salt: str | bytes | None = None, adapter_id: str | None = None,
+             reserve_last: bool = False) -> Sequence:
+        """Start a sequence over `token_ids`, reusing the longest cached prefix from any tier.
+
+        The matched blocks are pinned and made resident in the device tier; slots for the rest
+        of the tokens are reserved. `reserve_last=True` never counts the final token as cached
+        (an engine that needs the last position's logits must compute at least one token).
+        Raises CapacityError (cache unchanged) when the device tier cannot hold the sequence.
+        """
+        tokens = as_token_array(token_ids)
+        _check_salt(salt)
+        with self._lock:
+            (root, root_id) = self.hasher.root(salt, adapter_id)
+            seq = Sequence(id(self), root, tokens, self.num_layers, salt, adapter_id)
+            seq.root_id = root_id
+            matched = self._match(seq)
+            if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
+                matched.pop()
+                seq.keys.pop()
+            for b in matched:
+                self._pin(b)
+            promote = [b for b in matched if b.slots[GPU] == NO_SLOT]
+            num_new = -(-len(tokens) // self.block_size) - len(matched)
+            try:
+                slots = self._allocate(GPU, len(promote) + num_new)
+            except BaseException:
+                for b in matched:
+                    self._unpin(b)
+                raise
+            source_tiers = [b.fastest_tier() for b in matched]
+            try:
+                self._promote(promote, slots[:len(promote)])
+            except BaseException:
+                self.tiers[GPU].allocator.free(slots)
+                for b in matched:
+                    self._unpin(b)
+                raise
+            # ---- nothing below can fail
+            self._clock += 1
+            for b, t in zip(matched, source_tiers):
+                b.hits += 1
+                b.last_access = self._clock
+                self.tiers[t].hit_tokens += self.block_size
+                for tier in self.tiers:
+                    if b.candidate[tier.index]:
+                        tier.policy.access(b)
+            seq.blocks = list(matched)
+            self._new_blocks(seq, slots[len(promote):])
+            cached = len(matched) * self.block_size
+            seq.num_cached_tokens = cached
+            seq.num_published = len(matched)
+            seq.written = [cached] * self.num_layers
+            seq.cached_tokens_by_tier = {
+                tier.name: self.block_size * source_tiers.count(tier.index) for tier in self.tiers}
+            self.counters["query_tokens"] += len(tokens)
+            self.counters["hit_tokens"] += cached
+            self._open[seq.id] = seq
+            return seq
+
+    def can_open(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
+        need = -(-num_tokens // self.block_size)
+        with self._lock:
+            return self._room(GPU) >= need
+
+    def append(self, seq: Sequence, token_ids) -> None:
+        """Declare the next tokens of a sequence (decode steps, the next turn of a chat)."""
+        self._check_open(seq)
+        tokens = as_token_array(token_ids)
+        with self._lock:
+            have = len(seq.blocks) * self.block_size
+            need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
+            slots = self._allocate(GPU, need, hint=self._hint(seq)) if need else []
+            seq.extend(tokens)
+            self._new_blocks(seq, slots)
+
+    def write(self, seq: Sequence, layer: int, key, value) -> None:
+        """Write the KV of the next `n` unwritten tokens of `layer` (`key`/`value`: `[n, H, D]`).
+
+        A block is published to the prefix index once every layer has written all its tokens.
+        """
+        self._check_open(seq)
+        self._check_layer(layer)
+        n = self._check_kv(key, value)
+        with self._lock:
+            start = seq.written[layer]
+            if start + n > seq.num_tokens:
+                raise ShapeError(f"write: layer {layer} has {start} of {seq.num_tokens} tokens "
+                                 f"written; {n} more would pass the declared tokens "
+                                 "(append them first)")
+            if self.has_storage and n:
+                index = self._flat_index(seq, start, start + n)
+                pool = self.tiers[GPU].pool
+                pool.write_tokens(layer, index, key.to(pool.kv.device), value.to(pool.kv.device))
+            seq.written[layer] = start + n
+            self._publish_ready(seq)
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Metadata-only mode (`storage: none`): treat every declared token as written in every
+        layer and publish the full blocks. Used by simulation and trace replay."""
+        self._check_open(seq)
+        if self.has_storage:
+            raise StorageDisabledError("mark_computed is only for `storage: none`; with tensor "
+                                       "storage, write the KV with write()")
+        with self._lock:
+            seq.written = [seq.num_tokens] * self.num_layers
+            self._publish_ready(seq)
+
+    def gather(self, seq: Sequence, layer: int):
+        """Contiguous `(key, value)`, each `[written, H, D]`, of everything written so far."""
+        self._check_open(seq)
+        self._check_layer(layer)
+        if not self.has_storage:
+            raise StorageDisabledError("gather needs tensor storage; this cache has storage: none")
+        with self._lock:
+            index = self._flat_index(seq, 0, seq.written[layer])
+            return self.tiers[GPU].pool.read_tokens(layer, index)
+
+    def close(self, seq: Sequence) -> None:
+        """Release a sequence: its published blocks stay cached (and become evictable), its
+        private blocks (partial, or never fully written) are freed."""
+        self._check_open(seq)
+        with self._lock:
+            self._clock += 1
+            # Leaf first, so ties in recency evict the deepest block of a chain first.
+            for b in reversed(seq.blocks):
+                if b.key is not None:
+                    b.last_access = self._clock
+                self._unpin(b)
+                if b.ref_count == 0 and b.key is None:
+                    self._free_copies(b)
+            seq.blocks = []
+            seq.closed = True
+            del self._open[seq.id]
+
+    def invalidate(self, token_ids, *, salt: str | bytes | None = None,
+                   adapter_id: str | None = None) -> int:
+        """Drop the cached blocks of this prefix and everything cached under them, from every
+        tier. Returns the number of blocks dropped.
+
+        NOTE: keys chain, so once a block is gone nothing below it is reachable; dropping the
+        prefix's first block therefore drops every cached continuation of it. Blocks that open
+        sequences still read leave the index at once and are freed when the last one closes.
+        """
+        tokens = as_token_array(token_ids)
+        _check_salt(salt)
+        with self._lock:
+            root, root_id = self.hasher.root(salt, adapter_id)
+            if len(tokens) < self.block_size:
+                return 0
+            first = self.index.get(self.hasher.key(root, tokens[:self.block_size].tobytes()))
+            if first is None or not self._verify(first, None, root_id,
+                                                 tokens[:self.block_size].tobytes()):
+                return 0
+            n = self._drop_subtree(first)
+            self.counters["invalidated_blocks"] += n
+            return n
+
+    def stats(self) -> dict:
+        with self._lock:
+            c = self.counters
+            return {
+                "query_tokens": c["query_tokens"],
+                "hit_tokens": c["hit_tokens"],
+                "hit_rate": c["hit_tokens"] / c["query_tokens"] if c["query_tokens"] else 0.0,
+                "hit_tokens_by_tier": {t.name: t.hit_tokens for t in self.tiers},
+                "tiers": {t.name: t.stats() for t in self.tiers},
+                "promotions": c["promotions"],
+                "promotion_bytes": c["promotion_bytes"],
+                "demotions": c["demotions"],
+                "demotion_bytes": c["demotion_bytes"],
+                "write_through_blocks": c["write_through_blocks"],
+                "collisions": c["collisions"],
+                "duplicates": c["duplicates"],
+                "invalidated_blocks": c["invalidated_blocks"],
+                "dropped_blocks": c["dropped_blocks"],
+                "cached_blocks": len(self.index),
+                "open_sequences": len(self._open),
+            }
+
+    def tier(self, name: str) -> Tier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tier named {name!r}; tiers: {[t.name for t in self.tiers]}")
+
+    # ------------------------------------------------------------------ prefix matching
+    def _match(self, seq: Sequence) -> list[Block]:
+        """Longest run of published blocks that equals the sequence's leading full blocks.
+
+        Keys are computed block by block and only up to the first miss: a miss ends the walk,
+        so a 1M-token prompt with a short cached prefix hashes only that prefix.
+        """
+        tokens = seq.token_ids
+        step = self.block_size
+        data = tokens.tobytes()
+        nbytes = step * 4
+        key, parent = seq.root, None
+        matched: list[Block] = []
+        h, index = self.hasher.hash_fn, self.index
+        for i in range(len(tokens) // step):
+            chunk = data[i * nbytes:(i + 1) * nbytes]
+            key = h(key + chunk)
+            b = index.get(key)
+            if b is None:
+                break
+            if not self._verify(b, parent, seq.root_id, chunk):
+                self.counters["collisions"] += 1
+                break
+            seq.keys.append(key)
+            matched.append(b)
+            parent = b
+        return matched
+
+    def _verify(self, b: Block, parent: Block | None, root_id: int, chunk: bytes) -> bool:
+        # The parent identity and root checks are free and make a colliding key harmless even
+        # with verify_tokens off for everything but the block's own tokens.
+        if b.parent is not parent or (parent is None and b.root_id != root_id):
+            return False
+        return not self.verify_tokens or b.tokens == chunk
+
+    # ------------------------------------------------------------------ publishing
+    def _publish_ready(self, seq: Sequence) -> None:
+        ready = seq.num_written // self.block_size
+        if ready <= seq.num_published:
+            return
+        tokens = seq.token_ids.tobytes()
+        nbytes = self.block_size * 4
+        fresh: list[Block] = []
+        for i in range(seq.num_published, ready):
+            b = seq.blocks[i]
+            parent = seq.blocks[i - 1] if i else None
+            chunk = tokens[i * nbytes:(i + 1) * nbytes]
+            if len(seq.keys) == i:
+                seq.keys.append(self.hasher.key(seq.keys[-1] if i else seq.root, chunk))
+            key = seq.keys[i]
+            if parent is not None and parent.key is None:
+                continue        # below a block that could not be published: stays private
+            existing = self.index.get(key)
+            if existing is not None:
+                same = existing.parent is parent and existing.tokens == chunk and (
+                    parent is not None or existing.root_id == seq.root_id)
+                self.counters["duplicates" if same else "collisions"] += 1
+                continue
+            b.key, b.tokens, b.parent = key, chunk, parent
+            if parent is None:
+                b.root_id = seq.root_id
+            b.inserted_at = b.last_access = self._clock
+            self.index[key] = b
+            if parent is not None:
+                parent.children[b.id] = b
+                for t, slot in enumerate(b.slots):
+                    if slot != NO_SLOT:
+                        parent.resident_children[t] += 1
+                self._refresh(parent)
+            self._refresh(b)
+            fresh.append(b)
+        seq.num_published = ready
+        if self.write_through and fresh and len(self.tiers) > 1:
+            self._copy_down(fresh)
+
+    def _copy_down(self, blocks: list[Block]) -> None:
+        """write_through: give freshly published blocks a host copy now, so that evicting them
+        from the device later costs no copy. Skipped (write_back behaviour) when host is full
+        of pinned blocks."""
+        blocks = [b for b in blocks if b.slots[HOST] == NO_SLOT]
+        n = min(len(blocks), self._room(HOST))
+        if n == 0:
+            return
+        blocks = blocks[:n]
+        slots = self._allocate(HOST, n)
+        plan = [Transfer(b, GPU, b.slots[GPU], HOST, s) for b, s in zip(blocks, slots)]
+        self._run(plan, free_on_error=(HOST, slots))
+        for b, s in zip(blocks, slots):
+            self._set_slot(b, HOST, s)
+        self.counters["write_through_blocks"] += n
+
+    # ------------------------------------------------------------------ tiers and slots
+    def _room(self, t: int) -> int:
+        """Slots tier t can provide now: free ones plus evictable candidates."""
+        tier = self.tiers[t]
+        return tier.allocator.num_free + len(tier.policy)
+
+    def _allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
+        tier = self.tiers[t]
+        if n <= 0:
+            return []
+        if tier.allocator.num_free < n:
+            if self._room(t) < n:
+                raise CapacityError(
+                    f"tier {tier.name!r} cannot provide {n} blocks: {tier.allocator.num_free} "
+                    f"free, {len(tier.policy)} evictable, {tier.pinned_blocks} pinned of "
+                    f"{tier.capacity_blocks}")
+            self._evict(t, n - tier.allocator.num_free)
+        return tier.allocator.allocate(n, hint)
+
+    def _evict(self, t: int, n: int) -> None:
+        """Free `n` slots of tier t by the tier's policy. Victims with no copy in a slower tier
+        are demoted to the next tier when it has room, and dropped otherwise."""
+        tier = self.tiers[t]
+        below = t + 1 if t + 1 < len(self.tiers) else None
+        target = tier.allocator.num_free + n
+        while tier.allocator.num_free < target:
+            victims = tier.policy.victims(target - tier.allocator.num_free)
+            if not victims:
+                raise CapacityError(f"tier {tier.name!r}: no evictable block left")
+            for v in victims:
+                v.candidate[t] = False
+            demote = [v for v in victims if below is not None
+                      and all(s == NO_SLOT for s in v.slots[t + 1:])]
+            if demote:
+                demote = demote[:self._room(below)]
+            if demote:
+                dst = self._allocate(below, len(demote))
+                live = [(v, s) for v, s in zip(demote, dst) if v.slots[t] != NO_SLOT]
+                unused = [s for v, s in zip(demote, dst) if v.slots[t] == NO_SLOT]
+                self.tiers[below].allocator.free(unused)
+                plan = [Transfer(v, t, v.slots[t], below, s) for v, s in live]
+                try:
+                    self._run(plan, free_on_error=(below, [s for _, s in live]))
+                except TransferError:
+                    for v in victims:
+                        self._refresh(v)
+                    raise
+                for v, s in live:
+                    self._set_slot(v, below, s)
+                self.counters["demotions"] += len(live)
+                self.counters["demotion_bytes"] += len(live) * self.block_bytes
+            for v in victims:
+                if v.slots[t] == NO_SLOT:
+                    continue            # already dropped by a cascade above
+                self._clear_slot(v, t)
+                tier.evictions += 1
+                if v.fastest_tier() < 0:
+                    self.counters["dropped_blocks"] += self._drop_subtree(v)
+                else:
+                    self._refresh(v)
+
+    def _promote(self, blocks: list[Block], slots: list[int]) -> None:
+        """Copy host-resident blocks into reserved device slots (synchronously)."""
+        if not blocks:
+            return
+        plan = [Transfer(b, b.fastest_tier(), b.slots[b.fastest_tier()], GPU, s)
+                for b, s in zip(blocks, slots)]
+        self._run(plan)
+        for b, s in zip(blocks, slots):
+            self._set_slot(b, GPU, s)
+        self.counters["promotions"] += len(blocks)
+        self.counters["promotion_bytes"] += len(blocks) * self.block_bytes
+
+    def _run(self, plan: list[Transfer], free_on_error: tuple[int, list[int]] | None = None):
+        if not self.has_storage or not plan:
+            return
+        try:
+            execute(plan, [t.pool for t in self.tiers])
+        except Exception as exc:
+            if free_on_error is not None:
+                self.tiers[free_on_error[0]].allocator.free(free_on_error[1])
+            raise TransferError(f"copy of {len(plan)} blocks failed: {exc}") from exc
+
+    def _set_slot(self, b: Block, t: int, slot: int) -> None:
+        b.slots[t] = slot
+        if b.ref_count:
+            self.tiers[t].pinned_blocks += 1
+        if b.key is not None and b.parent is not None:
+            b.parent.resident_children[t] += 1
+            self._refresh(b.parent)
+        self._refresh(b)
+
+    def _clear_slot(self, b: Block, t: int) -> None:
+        self.tiers[t].allocator.free((b.slots[t],))
+        b.slots[t] = NO_SLOT
+        if b.ref_count:
+            self.tiers[t].pinned_blocks -= 1
+        if b.key is not None and b.parent is not None:
+            b.parent.resident_children[t] -= 1
+            self._refresh(b.parent)
+        self._refresh(b)
+
+    def _free_copies(self, b: Block) -> None:
+        for t, slot in enumerate(b.slots):
+            if slot != NO_SLOT:
+                self._clear_slot(b, t)
+
+    def _refresh(self, b: Block) -> None:
+        """Re-derive b's candidacy in every tier (invariant 4) and tell the policies."""
+        faster = False
+        published = b.key is not None and b.in_flight == 0
+        for tier in self.tiers:
+            t = tier.index
+            has = b.slots[t] != NO_SLOT
+            want = (published and has and b.resident_children[t] == 0
+                    and (b.ref_count == 0 or faster))
+            if want != b.candidate[t]:
+                b.candidate[t] = want
+                if want:
+                    tier.policy.insert(b)
+                else:
+                    tier.policy.remove(b)
+            faster = faster or has
+
+    def _pin(self, b: Block) -> None:
+        b.ref_count += 1
+        if b.ref_count == 1:
+            for tier in self.tiers:
+                if b.slots[tier.index] != NO_SLOT:
+                    tier.pinned_blocks += 1
+            self._refresh(b)
+
+    def _unpin(self, b: Block) -> None:
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            for tier in self.tiers:
+                if b.slots[tier.index] != NO_SLOT:
+                    tier.pinned_blocks -= 1
+            self._refresh(b)
+
+    def _new_blocks(self, seq: Sequence, slots: list[int]) -> None:
+        """Private blocks for the sequence's uncached tokens, already holding device slots."""
+        for slot in slots:
+            b = Block(next(self._block_ids), len(seq.blocks), len(self.tiers), ref_count=1)
+            b.slots[GPU] = slot
+            self.tiers[GPU].pinned_blocks += 1
+            seq.blocks.append(b)
+
+    def _drop_subtree(self, top: Block) -> int:
+        """Unpublish `top` and every published block below it; free the copies of those no
+        open sequence reads (the rest are freed when their last reader closes)."""
+        dropped = 0
+        stack = [top]
+        while stack:
+            b = stack.pop()
+            stack.extend(b.children.values())
+            if b.key is None:
+                continue
+            parent = b.parent
+            del self.index[b.key]
+            b.key = None
+            b.children = {}
+            # A parent dropped earlier in this walk has already forgotten its children.
+            if parent is not None and parent.key is not None:
+                parent.children.pop(b.id, None)
+                for t, slot in enumerate(b.slots):
+                    if slot != NO_SLOT:
+                        parent.resident_children[t] -= 1
+                self._refresh(parent)
+            b.parent = None
+            b.resident_children = [0] * len(self.tiers)
+            if b.ref_count == 0:
+                self._free_copies(b)
+            self._refresh(b)
+            dropped += 1
+        return dropped
+
+    def _hint(self, seq: Sequence) -> int | None:
+        if seq.blocks and seq.blocks[-1].slots[GPU] != NO_SLOT:
+            return seq.blocks[-1].slots[GPU] + 1
+        return None
+
+    def _flat_index(self, seq: Sequence, start: int, end: int):
+        import torch
+
+        bs = self.block_size
+        first, last = start // bs, (end - 1) // bs if end > start else start // bs
+        slots = np.fromiter((b.slots[GPU] for b in seq.blocks[first:last + 1]), dtype=np.int64)
+        pos = np.arange(start, end, dtype=np.int64)
+        flat = slots[pos // bs - first] * bs + pos % bs
+        return torch.from_numpy(flat).to(self.tiers[GPU].pool.kv.device)
+
+    # ------------------------------------------------------------------ validation
+    def _check_open(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"expected a Sequence from TieredKVCache.open, got "
+                            f"{type(seq).__name__}")
+        if seq.owner != id(self) or seq.id not in self._open:
+            if seq.closed:
+                raise SequenceClosedError(f"sequence {seq.id} is closed")
+            raise SequenceClosedError(f"sequence {seq.id} belongs to another cache")
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool):
+            raise LayerError(f"layer: expected an int, got {type(layer).__name__}")
+        if not 0 <= layer < self.num_layers:
+            raise LayerError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
+
+    def _check_kv(self, key, value) -> int:
+        import torch
+
+        for name, x in (("key", key), ("value", value)):
+            if not isinstance(x, torch.Tensor):
+                raise DTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            want = (self.num_kv_heads, self.head_dim)
+            if x.dim() != 3 or tuple(x.shape[1:]) != want:
+                raise ShapeError(f"{name}: expected shape [n, {want[0]}, {want[1]}] "
+                                 f"(tokens, kv heads, head_dim), got {list(x.shape)}")
+            if self.has_storage and x.dtype != self.tiers[GPU].pool.kv.dtype:
+                raise DTypeError(f"{name}: expected dtype {self.tiers[GPU].pool.kv.dtype} "
+                                 f"(model.dtype), got {x.dtype}")
+        if key.shape != value.shape:
+            raise ShapeError(f"key and value shapes differ: {list(key.shape)} vs "
+                             f"{list(value.shape)}")
+        return int(key.shape[0])
+
+    # ------------------------------------------------------------------ introspection
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the control-plane lock (tests and the migrator read a consistent state)."""
+        with self._lock:
+            yield
+
+    def open_sequences(self) -> list[Sequence]:
+        return list(self._open.values())
+
+
+def _check_salt(salt: object) -> None:
+    if salt is not None and not isinstance(salt, (str, bytes)):
+        from tiered_cache.errors import TokenError
+        raise TokenError(f"salt: expected a str, bytes or None, got {type(salt).__name__}")

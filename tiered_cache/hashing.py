@@ -1,0 +1,129 @@
+"""Block identity: 128-bit chained keys, stable across processes and restarts.
+
+key(block i) = H(key(block i-1) || token ids of block i as int32 little-endian bytes), and
+key(block -1) = H(namespace), where the namespace folds in the model id, the KV dtype, the cache
+geometry, the adapter id and the tenant salt. Equal keys therefore mean "same tokens at the same
+position after the same prefix, for the same model and tenant".
+
+NOTE: never Python's `hash()` (salted per process). xxh3-128 is used for speed; the hash function
+is injectable so tests can prove that a deliberately weak hash never returns another prompt's KV
+(the cache compares stored tokens on every match when `verify_tokens` is on).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from tiered_cache.errors import TokenError
+
+HashFn = Callable[[bytes], bytes]
+MAX_TOKEN_ID = 2**31 - 1
+_VERSION = b"tiered-cache/block-key/v1"
+
+
+def xxh3_128(data: bytes) -> bytes:
+    return xxhash.xxh3_128_digest(data)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything besides the tokens that makes two blocks' KV differ."""
+
+    model: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    adapter_id: str | None = None
+
+    def encode(self, salt: str | bytes | None) -> bytes:
+        fields = {
+            "model": self.model, "kv_dtype": self.kv_dtype, "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "block_size": self.block_size, "adapter_id": self.adapter_id,
+        }
+        if isinstance(salt, bytes):
+            salt_bytes = salt
+        elif salt is None:
+            salt_bytes = b""
+        else:
+            salt_bytes = salt.encode()
+        body = json.dumps(fields, sort_keys=True).encode()
+        # Length-prefix the salt so that no (namespace, salt) pair can alias another.
+        return _VERSION + b"\0" + body + b"\0" + len(salt_bytes).to_bytes(4, "little") + salt_bytes
+
+
+class BlockHasher:
+    def __init__(self, namespace: Namespace, hash_fn: HashFn = xxh3_128) -> None:
+        self.namespace = namespace
+        self.hash_fn = hash_fn
+        self._roots: dict[tuple[str | bytes | None, str | None], tuple[bytes, int]] = {}
+        self._root_ids: dict[bytes, int] = {}
+
+    def root(self, salt: str | bytes | None = None,
+             adapter_id: str | None = None) -> tuple[bytes, int]:
+        """Key of the empty prefix for this tenant salt (and adapter, overriding the config's),
+        and a small id of its exact preimage.
+
+        NOTE: depth-0 blocks store the root id and a match compares it, so tenant isolation holds
+        even if the hash collides (the same way token verification guards every other block).
+        """
+        cache_key = (salt, adapter_id)
+        found = self._roots.get(cache_key)
+        if found is None:
+            ns = self.namespace
+            if adapter_id is not None:
+                ns = Namespace(ns.model, ns.kv_dtype, ns.num_layers, ns.num_kv_heads,
+                               ns.head_dim, ns.block_size, adapter_id)
+            preimage = ns.encode(salt)
+            root_id = self._root_ids.setdefault(preimage, len(self._root_ids))
+            found = (self.hash_fn(preimage), root_id)
+            self._roots[cache_key] = found
+        return found
+
+    def key(self, parent: bytes, token_bytes: bytes) -> bytes:
+        return self.hash_fn(parent + token_bytes)
+
+
+def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:
+    """Validate token ids and return them as a 1-D int32 array.
+
+    Accepts a list/tuple of ints, a 1-D integer numpy array or a 1-D integer torch tensor. Raises
+    TokenError naming the first bad element.
+    """
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    elif hasattr(token_ids, "detach") and hasattr(token_ids, "cpu"):   # torch.Tensor, no import
+        dtype = str(token_ids.dtype)
+        if token_ids.is_floating_point() or token_ids.is_complex() or "bool" in dtype:
+            raise TokenError(f"{what}: expected integer token ids, "
+                             f"got a tensor of {token_ids.dtype}")
+        arr = token_ids.detach().cpu().numpy()
+    elif isinstance(token_ids, (list, tuple, range)):
+        for i, t in enumerate(token_ids):
+            # bool is an int subclass; a True in a prompt is a bug, not token 1.
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise TokenError(f"{what}[{i}]: expected a non-negative int, got {t!r}")
+        arr = np.asarray(token_ids, dtype=np.int64) if len(token_ids) else np.zeros(0, np.int64)
+    else:
+        raise TokenError(f"{what}: expected a list, numpy array or tensor of ints, "
+                         f"got {type(token_ids).__name__}")
+    if arr.ndim != 1:
+        raise TokenError(f"{what}: expected a 1-D sequence, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise TokenError(f"{what}: expected integer token ids, got dtype {arr.dtype}")
+    if arr.size:
+        bad = np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))
+        if bad.size:
+            i = int(bad[0])
+            raise TokenError(f"{what}[{i}]: expected a token id in [0, 2**31), got {int(arr[i])}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+__all__: Sequence[str] = ["BlockHasher", "Namespace", "as_token_array", "xxh3_128"]

@@ -1,0 +1,78 @@
+"""Prometheus metrics, `tiered_cache_*`, read from the cache's own counters at scrape time.
+
+NOTE: a custom collector rather than Counter objects bumped on the hot path: the control plane
+keeps plain integers (free to update under its lock) and the collector turns them into metric
+families only when scraped. Counters stay monotonic, so `rate()` works on them.
+
+The library never starts an HTTP server unless asked (`metrics.http_port`, or `serve_metrics`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from tiered_cache.cache import TieredKVCache
+
+PREFIX = "tiered_cache"
+
+
+class CacheCollector(Collector):
+    def __init__(self, cache: TieredKVCache) -> None:
+        self.cache = cache
+
+    def collect(self):
+        s = self.cache.stats()
+        query = CounterMetricFamily(f"{PREFIX}_query_tokens", "Prompt tokens looked up by open()")
+        query.add_metric([], s["query_tokens"])
+        hit = CounterMetricFamily(f"{PREFIX}_hit_tokens",
+                                  "Prompt tokens served from the cache, by the tier they came from",
+                                  labels=["tier"])
+        for tier, n in s["hit_tokens_by_tier"].items():
+            hit.add_metric([tier], n)
+        evictions = CounterMetricFamily(f"{PREFIX}_evictions",
+                                        "Block copies that left a tier to make room",
+                                        labels=["tier"])
+        capacity = GaugeMetricFamily(f"{PREFIX}_capacity_blocks", "Slots in the tier",
+                                     labels=["tier"])
+        used = GaugeMetricFamily(f"{PREFIX}_used_blocks", "Slots holding a block", labels=["tier"])
+        pinned = GaugeMetricFamily(f"{PREFIX}_pinned_blocks",
+                                   "Blocks in the tier that open sequences use", labels=["tier"])
+        for name, t in s["tiers"].items():
+            evictions.add_metric([name], t["evictions"])
+            capacity.add_metric([name], t["capacity_blocks"])
+            used.add_metric([name], t["used_blocks"])
+            pinned.add_metric([name], t["pinned_blocks"])
+        moves = CounterMetricFamily(f"{PREFIX}_migrated_blocks",
+                                    "Blocks copied between tiers", labels=["direction"])
+        moves.add_metric(["promotion"], s["promotions"])
+        moves.add_metric(["demotion"], s["demotions"])
+        moves.add_metric(["write_through"], s["write_through_blocks"])
+        moved_bytes = CounterMetricFamily(f"{PREFIX}_migrated_bytes",
+                                          "Bytes copied between tiers", labels=["direction"])
+        moved_bytes.add_metric(["promotion"], s["promotion_bytes"])
+        moved_bytes.add_metric(["demotion"], s["demotion_bytes"])
+        collisions = CounterMetricFamily(f"{PREFIX}_hash_collisions",
+                                         "Key matches whose stored tokens or parent differed")
+        collisions.add_metric([], s["collisions"])
+        cached = GaugeMetricFamily(f"{PREFIX}_cached_blocks", "Blocks in the prefix index")
+        cached.add_metric([], s["cached_blocks"])
+        open_seqs = GaugeMetricFamily(f"{PREFIX}_open_sequences", "Sequences open now")
+        open_seqs.add_metric([], s["open_sequences"])
+        yield from (query, hit, evictions, capacity, used, pinned, moves, moved_bytes,
+                    collisions, cached, open_seqs)
+
+
+def lookup_histogram(registry: CollectorRegistry) -> Histogram:
+    return Histogram(f"{PREFIX}_lookup_seconds", "Time of open(): prefix match and pinning",
+                     registry=registry,
+                     buckets=(1e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 0.1, 1.0))
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
+    """Expose `registry` over HTTP (only when explicitly asked)."""
+    return start_http_server(port, addr=addr, registry=registry)

@@ -1,0 +1,58 @@
+"""Transfer plans: the control plane's decisions about copies, as data.
+
+The control plane never copies; it emits `Transfer`s. The data plane (here synchronously, in the
+migrator asynchronously) executes them, so the same plan could drive every rank of a
+tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from tiered_cache.block import Block
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    block: Block
+    src_tier: int
+    src_slot: int
+    dst_tier: int
+    dst_slot: int
+    layers: tuple[int, ...] | None = None      # None: every layer
+
+
+def group(transfers: Iterable[Transfer]) -> dict[tuple[int, int, tuple[int, ...] | None],
+                                                  tuple[list[int], list[int]]]:
+    """Group by (src tier, dst tier, layers) into parallel slot lists, sorted by source slot so
+    that adjacent slots coalesce into one large copy downstream."""
+    out: dict = defaultdict(lambda: ([], []))
+    for t in sorted(transfers, key=lambda t: (t.src_tier, t.dst_tier, t.src_slot)):
+        src, dst = out[(t.src_tier, t.dst_tier, t.layers)]
+        src.append(t.src_slot)
+        dst.append(t.dst_slot)
+    return dict(out)
+
+
+def execute(transfers: list[Transfer], pools: list) -> None:
+    """Run a plan synchronously on the tier pools (index = tier index; 0 is the device pool)."""
+    if not transfers or pools[0] is None:
+        return
+    from tiered_cache import kernels
+
+    for (src, dst, layers), (src_slots, dst_slots) in group(transfers).items():
+        if src == 0 and dst == 1:
+            kernels.copy_blocks_to_host(pools[0].kv, src_slots, pools[1].kv, dst_slots)
+        elif src == 1 and dst == 0:
+            kernels.copy_blocks_to_gpu(pools[1].kv, src_slots, pools[0].kv, dst_slots,
+                                       layers=layers)
+        elif src == dst:
+            pool = pools[src].kv
+            if pools[src].layout == "layer_major":
+                pool[:, :, dst_slots] = pool[:, :, src_slots]
+            else:
+                pool[dst_slots] = pool[src_slots]
+        else:
+            raise ValueError(f"no copy path from tier {src} to tier {dst}")
