@@ -1,0 +1,9 @@
+"""Background data plane: the migrator (promotion, demotion, write-through) and the compactor.
+
+Installed as `tiered_cache.migrator` (the repo folder is `migrator/`)."""
+
+from tiered_cache.migrator.compactor import Compactor
+from tiered_cache.migrator.readiness import LayerReadiness
+from tiered_cache.migrator.worker import Migrator
+
+__all__ = ["Compactor", "LayerReadiness", "Migrator"]

@@ -32,6 +32,8 @@ class Block:
     children: dict[int, Block] = field(default_factory=dict)    # published children by id
     ref_count: int = 0              # open sequences that use it (pinned while > 0)
     in_flight: int = 0              # copies under way that read or write it
+    busy_tiers: tuple = ()       # tiers whose copy a move in flight reads (see moves.py)
+    pending: object | None = None   # LayerReadiness of an in-flight promotion into tier 0
     hits: int = 0                   # times a request reused it
     last_access: int = 0            # logical clock of the last use
     inserted_at: int = 0            # logical clock of publication

@@ -18,8 +18,10 @@ change, or is rolled back, so a raised error leaves the cache as it was.
 
 from __future__ import annotations
 
+import atexit
 import itertools
-import threading
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -39,6 +41,7 @@ from tiered_cache.errors import (
     TransferError,
 )
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
+from tiered_cache.locking import TimedLock
 from tiered_cache.sequence import Sequence
 from tiered_cache.sizing import resolve_device, tier_num_blocks
 from tiered_cache.tier import Tier
@@ -78,18 +81,32 @@ class TieredKVCache:
         self.write_through = config.write_policy == "write_through"
         self.tiers = self._build_tiers(config)
         self.index: dict[bytes, Block] = {}
-        self._lock = threading.RLock()
+        self._lock = TimedLock()
         self._clock = 0
         self._block_ids = itertools.count()
         self._open: dict[int, Sequence] = {}
         self.counters = dict.fromkeys(
             ("query_tokens", "hit_tokens", "promotions", "promotion_bytes", "demotions",
              "demotion_bytes", "write_through_blocks", "collisions", "duplicates",
-             "invalidated_blocks", "dropped_blocks"), 0)
+             "invalidated_blocks", "dropped_blocks", "sync_evictions", "transfer_failures",
+             "transfer_retries", "compaction_moves"), 0)
         self.registry = registry
         if registry is not None:
             from tiered_cache.metrics import CacheCollector
             registry.register(CacheCollector(self))
+        # Background data plane: only meaningful when there is data to move.
+        self.migrator = self.compactor = None
+        self._closed = False
+        if self.has_storage and config.migrator.enabled:
+            from tiered_cache.migrator import Migrator
+            self.migrator = Migrator(self, config.migrator)
+        if self.has_storage and config.compactor.enabled:
+            from tiered_cache.migrator import Compactor
+            self.compactor = Compactor(self, config.compactor)
+        if self.migrator or self.compactor:
+            # Stop threads at interpreter exit even if the user never closes the cache.
+            ref = weakref.ref(self)
+            atexit.register(lambda: (c := ref()) is not None and c.shutdown())
 
     def _build_tiers(self, config: CacheConfig) -> list[Tier]:
         from tiered_cache.storage import make_pool
@@ -123,7 +140,14 @@ class TieredKVCache:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Close every open sequence (their full blocks stay cached)."""
+        """Finish in-flight copies, stop background threads, close every open sequence (their
+        full blocks stay cached). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in (self.compactor, self.migrator):
+            if worker is not None:
+                worker.stop()
         with self._lock:
             for seq in list(self._open.values()):
                 self.close(seq)
@@ -140,53 +164,75 @@ class TieredKVCache:
         """
         tokens = as_token_array(token_ids)
         _check_salt(salt)
-        with self._lock:
-            (root, root_id) = self.hasher.root(salt, adapter_id)
-            seq = Sequence(id(self), root, tokens, self.num_layers, salt, adapter_id)
-            seq.root_id = root_id
-            matched = self._match(seq)
-            if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
-                matched.pop()
-                seq.keys.pop()
+        return self._when_settled(self._open_locked, tokens, salt, adapter_id, reserve_last)
+
+    def _when_settled(self, fn, *args):
+        """Run `fn` under the lock; if it lacks room only because background copies still hold
+        slots they are about to free, wait for them outside the lock and try again."""
+        deadline = time.monotonic() + self.config.migrator.wait_timeout_s
+        while True:
+            try:
+                with self._lock:
+                    return fn(*args)
+            except CapacityError as exc:
+                if not exc.transient or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.0005)
+
+    def _open_locked(self, tokens, salt, adapter_id, reserve_last) -> Sequence:
+        (root, root_id) = self.hasher.root(salt, adapter_id)
+        seq = Sequence(id(self), root, tokens, self.num_layers, salt, adapter_id)
+        seq.root_id = root_id
+        matched = self._match(seq)
+        if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
+            matched.pop()
+            seq.keys.pop()
+        for b in matched:
+            self._pin(b)
+        promote = [b for b in matched if b.slots[GPU] == NO_SLOT]
+        num_new = -(-len(tokens) // self.block_size) - len(matched)
+        try:
+            slots = self._allocate(GPU, len(promote) + num_new)
+        except BaseException:
             for b in matched:
-                self._pin(b)
-            promote = [b for b in matched if b.slots[GPU] == NO_SLOT]
-            num_new = -(-len(tokens) // self.block_size) - len(matched)
-            try:
-                slots = self._allocate(GPU, len(promote) + num_new)
-            except BaseException:
-                for b in matched:
-                    self._unpin(b)
-                raise
-            source_tiers = [b.fastest_tier() for b in matched]
-            try:
+                self._unpin(b)
+            raise
+        source_tiers = [b.fastest_tier() for b in matched]
+        try:
+            if self.migrator is not None:
+                self.migrator.promote(promote, slots[:len(promote)])
+            else:
                 self._promote(promote, slots[:len(promote)])
-            except BaseException:
-                self.tiers[GPU].allocator.free(slots)
-                for b in matched:
-                    self._unpin(b)
-                raise
-            # ---- nothing below can fail
-            self._clock += 1
-            for b, t in zip(matched, source_tiers):
-                b.hits += 1
-                b.last_access = self._clock
-                self.tiers[t].hit_tokens += self.block_size
-                for tier in self.tiers:
-                    if b.candidate[tier.index]:
-                        tier.policy.access(b)
-            seq.blocks = list(matched)
-            self._new_blocks(seq, slots[len(promote):])
-            cached = len(matched) * self.block_size
-            seq.num_cached_tokens = cached
-            seq.num_published = len(matched)
-            seq.written = [cached] * self.num_layers
-            seq.cached_tokens_by_tier = {
-                tier.name: self.block_size * source_tiers.count(tier.index) for tier in self.tiers}
-            self.counters["query_tokens"] += len(tokens)
-            self.counters["hit_tokens"] += cached
-            self._open[seq.id] = seq
-            return seq
+        except BaseException:
+            self.tiers[GPU].allocator.free(slots)
+            for b in matched:
+                self._unpin(b)
+            raise
+        # A block already on its way (promoted for another sequence) is waited on, not
+        # copied again: one in-flight promotion per block.
+        seq.pending = list({id(b.pending): b.pending for b in matched
+                            if b.pending is not None}.values())
+        # ---- nothing below can fail
+        self._clock += 1
+        for b, t in zip(matched, source_tiers):
+            b.hits += 1
+            b.last_access = self._clock
+            self.tiers[t].hit_tokens += self.block_size
+            for tier in self.tiers:
+                if b.candidate[tier.index]:
+                    tier.policy.access(b)
+        seq.blocks = list(matched)
+        self._new_blocks(seq, slots[len(promote):])
+        cached = len(matched) * self.block_size
+        seq.num_cached_tokens = cached
+        seq.num_published = len(matched)
+        seq.written = [cached] * self.num_layers
+        seq.cached_tokens_by_tier = {
+            tier.name: self.block_size * source_tiers.count(tier.index) for tier in self.tiers}
+        self.counters["query_tokens"] += len(tokens)
+        self.counters["hit_tokens"] += cached
+        self._open[seq.id] = seq
+        return seq
 
     def can_open(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
@@ -198,12 +244,14 @@ class TieredKVCache:
         """Declare the next tokens of a sequence (decode steps, the next turn of a chat)."""
         self._check_open(seq)
         tokens = as_token_array(token_ids)
-        with self._lock:
-            have = len(seq.blocks) * self.block_size
-            need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
-            slots = self._allocate(GPU, need, hint=self._hint(seq)) if need else []
-            seq.extend(tokens)
-            self._new_blocks(seq, slots)
+        self._when_settled(self._append_locked, seq, tokens)
+
+    def _append_locked(self, seq: Sequence, tokens: np.ndarray) -> None:
+        have = len(seq.blocks) * self.block_size
+        need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
+        slots = self._allocate(GPU, need, hint=self._hint(seq)) if need else []
+        seq.extend(tokens)
+        self._new_blocks(seq, slots)
 
     def write(self, seq: Sequence, layer: int, key, value) -> None:
         """Write the KV of the next `n` unwritten tokens of `layer` (`key`/`value`: `[n, H, D]`).
@@ -237,12 +285,30 @@ class TieredKVCache:
             seq.written = [seq.num_tokens] * self.num_layers
             self._publish_ready(seq)
 
+    def wait(self, seq: Sequence, layer: int, timeout: float | None = None) -> None:
+        """Block until every block this sequence reads has `layer` in the device tier.
+
+        Promotions land layer by layer, so layer l can be used while later layers still copy.
+        Raises PromotionTimeout after `timeout` (default `migrator.wait_timeout_s`) and
+        TransferError if a promotion failed (the block stays valid in the host tier).
+        """
+        self._check_open(seq)
+        self._check_layer(layer)
+        if not seq.pending:
+            return
+        timeout = self.config.migrator.wait_timeout_s if timeout is None else timeout
+        for readiness in seq.pending:
+            readiness.wait(layer, timeout)
+        if all(r.done and r.error is None for r in seq.pending):
+            seq.pending = []
+
     def gather(self, seq: Sequence, layer: int):
         """Contiguous `(key, value)`, each `[written, H, D]`, of everything written so far."""
         self._check_open(seq)
         self._check_layer(layer)
         if not self.has_storage:
             raise StorageDisabledError("gather needs tensor storage; this cache has storage: none")
+        self.wait(seq, layer)
         with self._lock:
             index = self._flat_index(seq, 0, seq.written[layer])
             return self.tiers[GPU].pool.read_tokens(layer, index)
@@ -258,7 +324,7 @@ class TieredKVCache:
                 if b.key is not None:
                     b.last_access = self._clock
                 self._unpin(b)
-                if b.ref_count == 0 and b.key is None:
+                if b.ref_count == 0 and b.key is None and b.in_flight == 0:
                     self._free_copies(b)
             seq.blocks = []
             seq.closed = True
@@ -305,6 +371,11 @@ class TieredKVCache:
                 "duplicates": c["duplicates"],
                 "invalidated_blocks": c["invalidated_blocks"],
                 "dropped_blocks": c["dropped_blocks"],
+                "sync_evictions": c["sync_evictions"],
+                "transfer_failures": c["transfer_failures"],
+                "transfer_retries": c["transfer_retries"],
+                "compaction_moves": c["compaction_moves"],
+                "lock_hold": self._lock.holds.summary(),
                 "cached_blocks": len(self.index),
                 "open_sequences": len(self._open),
             }
@@ -388,7 +459,10 @@ class TieredKVCache:
             fresh.append(b)
         seq.num_published = ready
         if self.write_through and fresh and len(self.tiers) > 1:
-            self._copy_down(fresh)
+            if self.migrator is not None:
+                self.migrator.copy_down(fresh)
+            else:
+                self._copy_down(fresh)
 
     def _copy_down(self, blocks: list[Block]) -> None:
         """write_through: give freshly published blocks a host copy now, so that evicting them
@@ -408,9 +482,17 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ tiers and slots
     def _room(self, t: int) -> int:
-        """Slots tier t can provide now: free ones plus evictable candidates."""
+        """Slots tier t can provide: free ones plus those eviction can free.
+
+        NOTE: not just the current candidates: evicting a leaf makes its parent a candidate,
+        and an open sequence pins whole chains, so every unpinned block can be reached by
+        evicting leaves first. Pinned copies and the destinations of copies under way cannot.
+        (In the host tier this is conservative: a host copy of a pinned block that also has a
+        device copy is evictable but not counted.)
+        """
         tier = self.tiers[t]
-        return tier.allocator.num_free + len(tier.policy)
+        a = tier.allocator
+        return a.num_free + a.num_used - tier.pinned_blocks - tier.reserved - tier.busy
 
     def _allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
         tier = self.tiers[t]
@@ -418,12 +500,22 @@ class TieredKVCache:
             return []
         if tier.allocator.num_free < n:
             if self._room(t) < n:
-                raise CapacityError(
+                exc = CapacityError(
                     f"tier {tier.name!r} cannot provide {n} blocks: {tier.allocator.num_free} "
-                    f"free, {len(tier.policy)} evictable, {tier.pinned_blocks} pinned of "
-                    f"{tier.capacity_blocks}")
+                    f"free, {tier.pinned_blocks} pinned, {tier.reserved + tier.busy} held by "
+                    f"copies under way, of {tier.capacity_blocks}")
+                exc.transient = self._room(t) + tier.busy + tier.reserved >= n
+                raise exc
+            if t == GPU:
+                # The migrator's watermark keeps free slots; reaching here means it fell behind.
+                self.counters["sync_evictions"] += 1
             self._evict(t, n - tier.allocator.num_free)
-        return tier.allocator.allocate(n, hint)
+        slots = tier.allocator.allocate(n, hint)
+        if t == GPU and self.migrator is not None and (
+                tier.allocator.num_used > self.config.migrator.high_watermark
+                * tier.capacity_blocks):
+            self.migrator.poke()
+        return slots
 
     def _evict(self, t: int, n: int) -> None:
         """Free `n` slots of tier t by the tier's policy. Victims with no copy in a slower tier
@@ -491,6 +583,7 @@ class TieredKVCache:
 
     def _set_slot(self, b: Block, t: int, slot: int) -> None:
         b.slots[t] = slot
+        self.tiers[t].owner[slot] = b
         if b.ref_count:
             self.tiers[t].pinned_blocks += 1
         if b.key is not None and b.parent is not None:
@@ -500,6 +593,7 @@ class TieredKVCache:
 
     def _clear_slot(self, b: Block, t: int) -> None:
         self.tiers[t].allocator.free((b.slots[t],))
+        self.tiers[t].owner[b.slots[t]] = None
         b.slots[t] = NO_SLOT
         if b.ref_count:
             self.tiers[t].pinned_blocks -= 1
@@ -551,6 +645,7 @@ class TieredKVCache:
         for slot in slots:
             b = Block(next(self._block_ids), len(seq.blocks), len(self.tiers), ref_count=1)
             b.slots[GPU] = slot
+            self.tiers[GPU].owner[slot] = b
             self.tiers[GPU].pinned_blocks += 1
             seq.blocks.append(b)
 
@@ -577,7 +672,8 @@ class TieredKVCache:
                 self._refresh(parent)
             b.parent = None
             b.resident_children = [0] * len(self.tiers)
-            if b.ref_count == 0:
+            # NOTE: an in-flight block's slots are being copied; the move's commit frees them.
+            if b.ref_count == 0 and b.in_flight == 0:
                 self._free_copies(b)
             self._refresh(b)
             dropped += 1

@@ -20,6 +20,8 @@ class ConfigError(TieredCacheError, ValueError):
 class CapacityError(TieredCacheError):
     """A tier cannot hold what was asked: every slot is pinned or in flight."""
 
+    transient: bool = False     # True when copies under way will free enough slots soon
+
 
 class ShapeError(TieredCacheError, ValueError):
     """A tensor has the wrong shape, or a write goes past the sequence's declared tokens."""
@@ -52,3 +54,7 @@ class StorageDisabledError(TieredCacheError):
 
 class TransferError(TieredCacheError):
     """A copy between tiers failed; the block stays valid in its source tier."""
+
+
+class PromotionTimeout(TieredCacheError, TimeoutError):
+    """A layer of an in-flight promotion did not land within the wait timeout."""

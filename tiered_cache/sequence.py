@@ -36,6 +36,7 @@ class Sequence:
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.written = [0] * num_layers         # tokens written so far, per layer
         self.num_published = 0                  # leading blocks that are published (or tried)
+        self.pending: list = []                 # LayerReadiness of promotions it waits on
         self.closed = False
 
     @property

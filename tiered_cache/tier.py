@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiered_cache.allocator import SlotAllocator
 from tiered_cache.policies.base import CachePolicy
@@ -18,6 +18,12 @@ class Tier:
     pinned_blocks: int = 0          # blocks with a copy here and ref_count > 0
     evictions: int = 0              # copies that left this tier to make room
     hit_tokens: int = 0             # prompt tokens served from this tier
+    busy: int = 0                 # copies here of blocks in flight (not evictable meanwhile)
+    reserved: int = 0               # destination slots of copies under way (not yet owned)
+    owner: list = field(default_factory=list)   # slot -> Block holding it (the compactor's map)
+
+    def __post_init__(self) -> None:
+        self.owner = [None] * self.allocator.num_slots
 
     @property
     def capacity_blocks(self) -> int:
@@ -34,4 +40,5 @@ class Tier:
             "pinned_blocks": self.pinned_blocks,
             "evictable_blocks": len(self.policy),
             "evictions": self.evictions,
+            "fragmentation": self.allocator.fragmentation(),
         }

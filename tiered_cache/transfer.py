@@ -36,18 +36,25 @@ def group(transfers: Iterable[Transfer]) -> dict[tuple[int, int, tuple[int, ...]
     return dict(out)
 
 
-def execute(transfers: list[Transfer], pools: list) -> None:
-    """Run a plan synchronously on the tier pools (index = tier index; 0 is the device pool)."""
+def execute(transfers: list[Transfer], pools: list,
+            layers: tuple[int, ...] | None = None) -> None:
+    """Run a plan on the tier pools (index = tier index; 0 is the device pool), on the current
+    CUDA stream when the pools are on a GPU. `layers` overrides every transfer's layers (the
+    migrator promotes one layer at a time)."""
     if not transfers or pools[0] is None:
         return
     from tiered_cache import kernels
 
-    for (src, dst, layers), (src_slots, dst_slots) in group(transfers).items():
+    # Pinned host <-> device copies are asynchronous on the caller's (copy) stream.
+    nb = bool(pools[0].kv.is_cuda)
+    for (src, dst, own_layers), (src_slots, dst_slots) in group(transfers).items():
+        layers = own_layers if layers is None else layers
         if src == 0 and dst == 1:
-            kernels.copy_blocks_to_host(pools[0].kv, src_slots, pools[1].kv, dst_slots)
+            kernels.copy_blocks_to_host(pools[0].kv, src_slots, pools[1].kv, dst_slots,
+                                        non_blocking=nb)
         elif src == 1 and dst == 0:
             kernels.copy_blocks_to_gpu(pools[1].kv, src_slots, pools[0].kv, dst_slots,
-                                       layers=layers)
+                                       layers=layers, non_blocking=nb)
         elif src == dst:
             pool = pools[src].kv
             if pools[src].layout == "layer_major":

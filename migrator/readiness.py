@@ -1,0 +1,77 @@
+"""Per-layer readiness of an in-flight promotion.
+
+A promotion copies its blocks layer by layer. Readers wait for the one layer they are about to
+use, so attention on layer l runs while layers after it are still copying.
+
+On a GPU each layer's copy records a CUDA event on the copy stream and `wait` makes the
+reader's stream wait on it (no host synchronisation); on CPU a condition variable wakes the
+waiting thread as soon as its layer lands.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from tiered_cache.errors import PromotionTimeout, TransferError
+
+
+class LayerReadiness:
+    def __init__(self, num_layers: int, blocks: int) -> None:
+        self.num_layers = num_layers
+        self.blocks = blocks
+        self._ready = 0                       # layers [0, _ready) have landed
+        self._events: list[object | None] = [None] * num_layers
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self.created = time.perf_counter()
+
+    @property
+    def ready_layers(self) -> int:
+        return self._ready
+
+    @property
+    def done(self) -> bool:
+        return self._ready >= self.num_layers or self._error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def layer_done(self, layer: int, event: object | None = None) -> None:
+        """Layers land in order; `event` is a CUDA event recorded after that layer's copy."""
+        with self._cond:
+            self._events[layer] = event
+            self._ready = layer + 1
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def wait(self, layer: int, timeout: float | None = None) -> None:
+        """Block until `layer` has landed (or the promotion failed, or `timeout` passed)."""
+        if self._ready > layer:
+            self._stream_wait(layer)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._ready <= layer and self._error is None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise PromotionTimeout(
+                        f"layer {layer} of a promotion of {self.blocks} blocks did not land "
+                        f"within {timeout:.3f} s ({self._ready} of {self.num_layers} layers "
+                        "ready); raise migrator.wait_timeout_s or check the migrator")
+                self._cond.wait(left)
+        if self._ready <= layer and self._error is not None:
+            raise TransferError(f"promotion failed: {self._error}") from self._error
+        self._stream_wait(layer)
+
+    def _stream_wait(self, layer: int) -> None:
+        event = self._events[layer]
+        if event is not None:
+            import torch
+
+            torch.cuda.current_stream().wait_event(event)

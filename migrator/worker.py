@@ -1,0 +1,235 @@
+"""The migrator: background promotion, demotion and write-through copies.
+
+- Promotions (blocks an open() matched in host) run on worker threads, layer by layer, each
+  layer signalled as soon as it lands (see readiness.py). Jobs are served in open() order, so
+  earlier sequences and earlier layers come first. One job per block: open() reuses a block's
+  pending promotion instead of copying it again.
+- Demotion runs on its own thread: above `high_watermark` of the device tier it demotes policy
+  victims down to `low_watermark`, so allocation on the hot path almost never evicts
+  synchronously. A promotion never waits behind a demotion batch.
+- write_through copies run on the workers too.
+
+Copies run outside the control-plane lock (plan / copy / commit, see tiered_cache.moves). On a GPU
+each worker has its own CUDA stream (never the default stream) and records an event per layer;
+on CPU the copies are torch ops that release the GIL.
+
+Faults: a failed copy is retried up to `max_retries` times, then given up with a logged reason;
+the block stays valid in its source tier and the failure is counted
+(`tiered_cache_transfer_failures_total`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
+
+from tiered_cache.migrator.readiness import LayerReadiness
+
+from tiered_cache import moves
+from tiered_cache.config import MigratorConfig
+from tiered_cache.transfer import Transfer, execute
+
+if TYPE_CHECKING:
+    from tiered_cache.cache import TieredKVCache
+
+log = logging.getLogger("tiered_cache.migrator")
+FaultHook = Callable[[str, int], None]
+
+
+@dataclass(order=True)
+class _Job:
+    priority: int
+    order: int
+    kind: str = field(compare=False)
+    plan: list[Transfer] = field(compare=False)
+    readiness: LayerReadiness | None = field(compare=False, default=None)
+
+
+class Migrator:
+    def __init__(self, cache: TieredKVCache, config: MigratorConfig) -> None:
+        self.cache = cache
+        self.config = config
+        self.fault_hook: FaultHook | None = None       # tests inject copy failures here
+        self._jobs: queue.PriorityQueue[_Job | None] = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._busy = 0
+        self._idle = threading.Condition()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        gpu = cache.tiers[0].pool
+        self._cuda = gpu is not None and gpu.kv.is_cuda
+        self._threads = [threading.Thread(target=self._work, name=f"tc-migrator-{i}",
+                                          daemon=True) for i in range(config.num_workers)]
+        self._threads.append(threading.Thread(target=self._watch, name="tc-demoter",
+                                              daemon=True))
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------ called under the cache lock
+    def promote(self, blocks, slots) -> LayerReadiness | None:
+        if not blocks:
+            return None
+        readiness = LayerReadiness(self.cache.num_layers, len(blocks))
+        plan = moves.plan_promotion(self.cache, blocks, slots, readiness)
+        self._submit(_Job(0, next(self._order), "promotion", plan, readiness))
+        return readiness
+
+    def copy_down(self, blocks) -> None:
+        plan = moves.plan_copy_down(self.cache, blocks)
+        if plan:
+            self._submit(_Job(1, next(self._order), "write_through", plan))
+
+    def poke(self) -> None:
+        """Ask the demotion thread to look at the watermark now."""
+        self._wake.set()
+
+    # ------------------------------------------------------------ lifecycle
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until no job is queued or running (tests, shutdown)."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy == 0 and self._jobs.empty(), timeout)
+
+    def stop(self) -> None:
+        """Finish the queued copies, then stop every thread. Idempotent."""
+        if self._stop.is_set():
+            return
+        self.drain()
+        self._stop.set()
+        self._wake.set()
+        for _ in range(self.config.num_workers):
+            self._jobs.put(_Job(99, next(self._order), "stop", []))
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # ------------------------------------------------------------ threads
+    def _submit(self, job: _Job) -> None:
+        with self._idle:
+            self._busy += 1
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        stream = self._new_stream()
+        while True:
+            job = self._jobs.get()
+            if job.kind == "stop":
+                return
+            try:
+                self._run(job, stream)
+            except Exception:               # never let a worker die: log and go on
+                log.exception("migrator job %s failed unexpectedly", job.kind)
+            finally:
+                with self._idle:
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def _run(self, job: _Job, stream) -> None:
+        cache = self.cache
+        pools = [t.pool for t in cache.tiers]
+        if job.kind == "promotion":
+            r = job.readiness
+
+            def copy_layer(layer: int) -> None:
+                execute(job.plan, pools, layers=(layer,))
+            error = None
+            for layer in range(cache.num_layers):
+                error = self._attempt("promotion", lambda l=layer: copy_layer(l), stream)
+                if error is not None:
+                    break
+                r.layer_done(layer, self._event(stream))
+            self._sync(stream)
+            with cache._lock:
+                moves.commit_promotion(cache, job.plan, error is None)
+            if error is not None:
+                r.fail(error)
+        else:
+            error = self._attempt(job.kind, lambda: execute(job.plan, pools), stream)
+            self._sync(stream)
+            with cache._lock:
+                moves.commit_copy_down(cache, job.plan, error is None)
+
+    def _watch(self) -> None:
+        cache, cfg = self.cache, self.config
+        gpu = cache.tiers[0]
+        stream = self._new_stream()
+        while not self._stop.is_set():
+            self._wake.wait(0.005)
+            self._wake.clear()
+            while not self._stop.is_set():
+                with cache._lock:
+                    cap = gpu.capacity_blocks
+                    excess = gpu.used_blocks - int(cfg.low_watermark * cap)
+                    if gpu.used_blocks <= cfg.high_watermark * cap and not self._lowering:
+                        break
+                    if excess <= 0:
+                        self._lowering = False
+                        break
+                    self._lowering = True
+                    plan = moves.plan_demotion(cache, min(excess, cfg.batch_blocks))
+                    if not plan and not len(gpu.policy):
+                        self._lowering = False
+                        break               # everything left is pinned: nothing to demote
+                if plan:
+                    pools = [t.pool for t in cache.tiers]
+                    error = self._attempt("demotion", partial(execute, plan, pools), stream)
+                    self._sync(stream)
+                    with cache._lock:
+                        moves.commit_demotion(cache, plan, error is None)
+
+    _lowering = False
+
+    def _attempt(self, kind: str, copy: Callable[[], None], stream) -> Exception | None:
+        """Run a copy with retries; returns the last error, or None on success."""
+        cache = self.cache
+        error: Exception | None = None
+        for attempt in range(self.config.max_retries + 1):
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook(kind, attempt)
+                if stream is not None:
+                    import torch
+
+                    stream.wait_stream(torch.cuda.default_stream(stream.device))
+                    with torch.cuda.stream(stream):
+                        copy()
+                else:
+                    copy()
+                return None
+            except Exception as exc:  # noqa: BLE001 - any copy failure is handled the same way
+                error = exc
+                if attempt < self.config.max_retries:
+                    with cache._lock:
+                        cache.counters["transfer_retries"] += 1
+        with cache._lock:
+            cache.counters["transfer_failures"] += 1
+        log.warning("%s copy given up after %d tries: %s", kind, self.config.max_retries + 1,
+                    error)
+        return error
+
+    # ------------------------------------------------------------ CUDA helpers
+    def _new_stream(self):
+        if not self._cuda:
+            return None
+        import torch
+
+        return torch.cuda.Stream(device=self.cache.tiers[0].pool.kv.device)
+
+    @staticmethod
+    def _event(stream):
+        if stream is None:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def _sync(stream) -> None:
+        if stream is not None:
+            stream.synchronize()

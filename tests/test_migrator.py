@@ -1,0 +1,324 @@
+"""Migrator and compactor: background demotion, layer-wise promotion, compaction, faults,
+shutdown, and a concurrency stress run that checks every gathered byte."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from tiered_cache import TieredKVCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.errors import CapacityError, PromotionTimeout, TransferError
+from tiered_cache.invariants import check_invariants
+
+LAYERS, HEADS, DIM, BS = 3, 1, 4, 4
+
+
+def make(gpu: int, host: int, *, migrator: dict | None = None, compactor: dict | None = None,
+         write_policy: str = "write_back") -> TieredKVCache:
+    return TieredKVCache(CacheConfig.from_dict({
+        "block_size": BS, "write_policy": write_policy,
+        "model": {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM},
+        "tiers": {"gpu": {"num_blocks": gpu}, "host": {"num_blocks": host}},
+        "migrator": {"wait_timeout_s": 10.0, **(migrator or {})},
+        "compactor": {"enabled": False, **(compactor or {})},
+    }))
+
+
+def pattern(tokens: list[int], start: int, end: int, layer: int):
+    """KV of positions [start, end) derived from the whole prefix up to each position, so a
+    block reused under another prefix would show up as wrong data."""
+    rows = []
+    h = 0
+    for i, t in enumerate(tokens[:end]):
+        h = (h * 31 + t + 1) % 1000
+        if i >= start:
+            rows.append([h + layer * 0.25 + d * 0.001 for d in range(DIM)])
+    k = torch.tensor(rows, dtype=torch.float32).reshape(end - start, HEADS, DIM)
+    return k, -k
+
+
+def fill(cache: TieredKVCache, seq, tokens: list[int]) -> None:
+    start = seq.num_cached_tokens
+    for layer in range(LAYERS):
+        k, v = pattern(tokens, start, len(tokens), layer)
+        cache.write(seq, layer, k, v)
+
+
+def check_data(cache: TieredKVCache, seq, tokens: list[int]) -> None:
+    for layer in range(LAYERS):
+        k, v = cache.gather(seq, layer)
+        ek, ev = pattern(tokens, 0, len(tokens), layer)
+        assert torch.equal(k, ek) and torch.equal(v, ev), f"layer {layer} data differs"
+
+
+def settle(cache: TieredKVCache) -> None:
+    cache.migrator.drain()
+    time.sleep(0.05)
+    cache.migrator.drain()
+
+
+def test_watermark_demotes_without_explicit_calls():
+    cache = make(20, 60, migrator={"high_watermark": 0.9, "low_watermark": 0.5})
+    prompts = [[p * 1000 + i for i in range(4 * BS)] for p in range(5)]   # 20 blocks
+    for p in prompts:
+        seq = cache.open(p)
+        fill(cache, seq, p)
+        cache.close(seq)
+    deadline = time.monotonic() + 5
+    while cache.stats()["tiers"]["gpu"]["used_blocks"] > 10 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stats = cache.stats()
+    assert stats["tiers"]["gpu"]["used_blocks"] <= 10          # down to the low watermark
+    assert stats["demotions"] >= 10
+    for p in prompts:                                          # nothing lost
+        seq = cache.open(p)
+        assert seq.num_cached_tokens == len(p)
+        check_data(cache, seq, p)
+        cache.close(seq)
+    check_invariants(cache)
+    cache.shutdown()
+
+
+def _slow(kind_to_slow: str, delay: float):
+    def hook(kind: str, attempt: int) -> None:
+        if kind == kind_to_slow:
+            time.sleep(delay)
+    return hook
+
+
+def test_promotion_lands_layer_by_layer_and_readers_wake_per_layer():
+    cache = make(8, 40)
+    prompt = list(range(4 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    cache.close(seq)
+    for p in range(3):                                         # push the prompt to host
+        other = [5000 + p * 100 + i for i in range(4 * BS)]
+        s = cache.open(other)
+        fill(cache, s, other)
+        cache.close(s)
+    settle(cache)
+    cache.migrator.fault_hook = _slow("promotion", 0.3)
+    seq = cache.open(prompt)
+    assert seq.num_cached_tokens == len(prompt) and seq.cached_tokens_by_tier["host"] >= BS
+    (readiness,) = seq.pending
+    t0 = time.perf_counter()
+    cache.wait(seq, 0)
+    first = time.perf_counter() - t0
+    assert readiness.ready_layers < LAYERS                     # later layers still copying
+    cache.wait(seq, LAYERS - 1)
+    last = time.perf_counter() - t0
+    assert first < last and last >= 0.3 * (LAYERS - 1)
+    cache.migrator.fault_hook = None
+    check_data(cache, seq, prompt)
+    # A second sequence on the same prefix reuses the in-flight promotion: no second copy.
+    promotions = cache.stats()["promotions"]
+    seq2 = cache.open(prompt)
+    assert cache.stats()["promotions"] == promotions
+    cache.close(seq)
+    cache.close(seq2)
+    settle(cache)
+    check_invariants(cache)
+    cache.shutdown()
+
+
+def test_wait_timeout_raises_clearly():
+    cache = make(8, 40, migrator={"wait_timeout_s": 0.05})
+    prompt = list(range(2 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    cache.close(seq)
+    for p in range(4):
+        other = [7000 + p * 100 + i for i in range(2 * BS)]
+        s = cache.open(other)
+        fill(cache, s, other)
+        cache.close(s)
+    settle(cache)
+    cache.migrator.fault_hook = _slow("promotion", 0.5)
+    seq = cache.open(prompt)
+    if seq.pending:
+        with pytest.raises(PromotionTimeout, match="did not land"):
+            cache.wait(seq, LAYERS - 1)
+    cache.migrator.fault_hook = None
+    cache.close(seq)
+    cache.shutdown()
+    check_invariants(cache)
+
+
+def test_failed_demotion_keeps_block_valid_and_is_counted():
+    cache = make(10, 40, migrator={"high_watermark": 0.5, "low_watermark": 0.2,
+                                   "max_retries": 1})
+
+    def fail(kind: str, attempt: int) -> None:
+        if kind == "demotion":
+            raise OSError("injected copy failure")
+    cache.migrator.fault_hook = fail
+    prompt = list(range(3 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    cache.close(seq)
+    other = [900 + i for i in range(3 * BS)]
+    seq = cache.open(other)                                    # usage 6/10 > 0.5
+    fill(cache, seq, other)
+    cache.close(seq)
+    deadline = time.monotonic() + 5
+    while cache.stats()["transfer_failures"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    cache.migrator.fault_hook = None
+    settle(cache)
+    stats = cache.stats()
+    assert stats["transfer_failures"] >= 1 and stats["transfer_retries"] >= 1
+    seq = cache.open(prompt)                                   # still cached, data intact
+    assert seq.num_cached_tokens == len(prompt)
+    check_data(cache, seq, prompt)
+    cache.close(seq)
+    check_invariants(cache)
+    cache.shutdown()
+
+
+def test_failed_promotion_raises_and_host_copy_stays_valid():
+    cache = make(8, 40, migrator={"max_retries": 0})
+    prompt = list(range(2 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    cache.close(seq)
+    for p in range(4):
+        other = [3000 + p * 100 + i for i in range(2 * BS)]
+        s = cache.open(other)
+        fill(cache, s, other)
+        cache.close(s)
+    settle(cache)
+
+    def fail(kind: str, attempt: int) -> None:
+        if kind == "promotion":
+            raise OSError("injected promotion failure")
+    cache.migrator.fault_hook = fail
+    seq = cache.open(prompt)
+    assert seq.cached_tokens_by_tier["host"] > 0
+    with pytest.raises(TransferError, match="injected promotion failure"):
+        cache.wait(seq, 0)
+    cache.close(seq)
+    cache.migrator.fault_hook = None
+    settle(cache)
+    check_invariants(cache)
+    seq = cache.open(prompt)                                   # retried by the next open
+    check_data(cache, seq, prompt)
+    cache.close(seq)
+    cache.shutdown()
+
+
+def test_write_through_copies_in_background():
+    cache = make(16, 40, write_policy="write_through")
+    prompt = list(range(3 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    settle(cache)
+    assert cache.stats()["write_through_blocks"] == 3
+    cache.close(seq)
+    check_invariants(cache)
+    cache.shutdown()
+
+
+def test_compaction_reduces_fragmentation_and_keeps_data():
+    cache = make(40, 0, migrator={"enabled": False},
+                 compactor={"enabled": False, "threshold": 0.1})
+    prompts = [[p * 100 + i for i in range(2 * BS)] for p in range(16)]   # 32 blocks
+    for p in prompts:
+        seq = cache.open(p)
+        fill(cache, seq, p)
+        cache.close(seq)
+    for p in prompts[::2]:                                     # holes below the top
+        cache.invalidate(p)
+    gpu = cache.tiers[0]
+    assert gpu.allocator.fragmentation() > 0.5
+    from tiered_cache.migrator import Compactor
+
+    compactor = Compactor(cache, cache.config.compactor, start=False)
+    moved = compactor.compact(0)
+    assert moved > 0
+    assert gpu.allocator.fragmentation() <= 0.1
+    check_invariants(cache)
+    for p in prompts[1::2]:
+        seq = cache.open(p)
+        assert seq.num_cached_tokens == len(p)
+        check_data(cache, seq, p)
+        cache.close(seq)
+    assert cache.stats()["lock_hold"]["count"] > 0
+    cache.shutdown()
+
+
+def test_shutdown_with_copies_in_flight_loses_nothing():
+    cache = make(8, 40)
+    prompt = list(range(2 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    cache.close(seq)
+    for p in range(4):
+        other = [4000 + p * 100 + i for i in range(2 * BS)]
+        s = cache.open(other)
+        fill(cache, s, other)
+        cache.close(s)
+    settle(cache)
+    cache.migrator.fault_hook = _slow("promotion", 0.05)
+    seq = cache.open(prompt)
+    cache.shutdown()                                           # finishes the promotion
+    assert not cache.open_sequences()
+    check_invariants(cache)
+    assert all(t.pinned_blocks == 0 for t in cache.tiers)
+    assert cache.index                                         # blocks are still cached
+
+
+def test_concurrent_stress_with_migrator_and_compactor():
+    cache = make(24, 48, migrator={"high_watermark": 0.75, "low_watermark": 0.5},
+                 compactor={"enabled": True, "threshold": 0.2, "interval_s": 0.005})
+    alphabet = [1, 2, 3]
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 3.0
+
+    def api_thread(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while time.monotonic() < stop:
+                tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 5 * BS))]
+                try:
+                    seq = cache.open(tokens, salt=rng.choice([None, "t1"]))
+                except CapacityError:
+                    continue
+                fill(cache, seq, tokens)
+                if rng.random() < 0.5:
+                    extra = [rng.choice(alphabet) for _ in range(rng.randrange(1, BS + 2))]
+                    try:
+                        cache.append(seq, extra)
+                    except CapacityError:
+                        extra = []
+                    if extra:
+                        whole = tokens + extra
+                        for layer in range(LAYERS):
+                            k, v = pattern(whole, len(tokens), len(whole), layer)
+                            cache.write(seq, layer, k, v)
+                        tokens = whole
+                check_data(cache, seq, tokens)
+                if rng.random() < 0.05:
+                    cache.invalidate(tokens[:BS], salt=seq.salt)
+                cache.close(seq)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=api_thread, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    settle(cache)
+    check_invariants(cache)
+    assert all(t.pinned_blocks == 0 for t in cache.tiers)
+    stats = cache.stats()
+    assert stats["hit_tokens"] > 0 and stats["demotions"] > 0
+    cache.shutdown()
+    check_invariants(cache)

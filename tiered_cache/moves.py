@@ -1,0 +1,194 @@
+"""Background moves: planned under the lock, copied outside it, committed under it.
+
+Each kind of move (demotion, promotion, write-through copy, compaction) has a `plan_*` and a
+`commit_*`. Planning reserves destination slots and marks the blocks in flight, which takes
+them out of every policy's candidate set, so nothing evicts, frees or re-plans them while the
+copy runs without the lock. Committing applies the result, or rolls it back: a failed copy
+frees the destination and leaves the block valid where it was.
+
+NOTE: a block can change while its copy runs: an open() may pin it, an invalidate() may drop it.
+Commits re-check: a dropped block's slots are freed here (drop defers them while in flight), a
+pinned block is never remapped by the compactor, and a demoted block that got pinned keeps its
+device copy (the demotion then acted as a write-through copy).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tiered_cache.block import NO_SLOT, Block
+from tiered_cache.transfer import Transfer
+
+if TYPE_CHECKING:
+    from tiered_cache.cache import TieredKVCache
+
+GPU, HOST = 0, 1
+
+
+def _begin(b: Block, cache: TieredKVCache) -> None:
+    b.in_flight += 1
+    b.busy_tiers = tuple(t for t, s in enumerate(b.slots) if s != NO_SLOT)
+    for t in b.busy_tiers:
+        cache.tiers[t].busy += 1
+    cache._refresh(b)
+
+
+def _end(b: Block, cache: TieredKVCache) -> None:
+    for t in b.busy_tiers:
+        cache.tiers[t].busy -= 1
+    b.busy_tiers = ()
+    b.in_flight -= 1
+    if b.key is None and b.ref_count == 0 and b.in_flight == 0:
+        cache._free_copies(b)           # dropped while in flight
+    else:
+        cache._refresh(b)
+
+
+# ---------------------------------------------------------------- demotion (watermark)
+def plan_demotion(cache: TieredKVCache, n: int) -> list[Transfer]:
+    """Pick up to n device victims by policy. Those already held by host are released at once;
+    the rest get a host slot and a copy (or are dropped when host has no room left)."""
+    gpu = cache.tiers[GPU]
+    victims = gpu.policy.victims(n)
+    for v in victims:
+        v.candidate[GPU] = False
+    has_host = len(cache.tiers) > 1
+    need = [v for v in victims if has_host and v.slots[HOST] == NO_SLOT]
+    k = min(len(need), cache._room(HOST)) if has_host else 0
+    dst = cache._allocate(HOST, k) if k else []
+    plan: list[Transfer] = []
+    for v, s in zip(need[:k], dst):
+        if v.slots[GPU] == NO_SLOT:     # dropped by a host eviction's cascade just now
+            cache.tiers[HOST].allocator.free((s,))
+            continue
+        plan.append(Transfer(v, GPU, v.slots[GPU], HOST, s))
+        cache.tiers[HOST].reserved += 1
+        _begin(v, cache)
+    moving = {t.block.id for t in plan}
+    for v in victims:                   # no copy needed, or no room: leave the device now
+        if v.id in moving or v.slots[GPU] == NO_SLOT:
+            continue
+        cache._clear_slot(v, GPU)
+        gpu.evictions += 1
+        if v.fastest_tier() < 0:
+            cache.counters["dropped_blocks"] += cache._drop_subtree(v)
+    return plan
+
+
+def commit_demotion(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> None:
+    gpu = cache.tiers[GPU]
+    for t in plan:
+        b = t.block
+        cache.tiers[HOST].reserved -= 1
+        if ok and b.key is not None:
+            cache._set_slot(b, HOST, t.dst_slot)
+            cache.counters["demotions"] += 1
+            cache.counters["demotion_bytes"] += cache.block_bytes
+            if b.ref_count == 0:
+                cache._clear_slot(b, GPU)
+                gpu.evictions += 1
+        else:
+            cache.tiers[HOST].allocator.free((t.dst_slot,))
+        _end(b, cache)
+
+
+# ---------------------------------------------------------------- promotion (open)
+def plan_promotion(cache: TieredKVCache, blocks: list[Block], slots: list[int],
+                   readiness) -> list[Transfer]:
+    """Reserve device slots for host-resident blocks an open() matched; the data follows."""
+    plan = []
+    for b, s in zip(blocks, slots):
+        src = b.fastest_tier()
+        plan.append(Transfer(b, src, b.slots[src], GPU, s))
+        b.pending = readiness
+        b.in_flight += 1
+        cache._set_slot(b, GPU, s)
+    return plan
+
+
+def commit_promotion(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> None:
+    for t in plan:
+        b = t.block
+        b.pending = None
+        if ok:
+            cache.counters["promotions"] += 1
+            cache.counters["promotion_bytes"] += cache.block_bytes
+        elif b.slots[GPU] == t.dst_slot:
+            # The device slot never got valid data: release it; the host copy stays valid.
+            cache._clear_slot(b, GPU)
+        _end(b, cache)
+
+
+# ---------------------------------------------------------------- write-through
+def plan_copy_down(cache: TieredKVCache, blocks: list[Block]) -> list[Transfer]:
+    blocks = [b for b in blocks if b.slots[HOST] == NO_SLOT and b.slots[GPU] != NO_SLOT]
+    n = min(len(blocks), cache._room(HOST))
+    if n == 0:
+        return []
+    dst = cache._allocate(HOST, n)
+    plan = []
+    for b, s in zip(blocks[:n], dst):
+        if b.slots[GPU] == NO_SLOT:
+            cache.tiers[HOST].allocator.free((s,))
+            continue
+        plan.append(Transfer(b, GPU, b.slots[GPU], HOST, s))
+        cache.tiers[HOST].reserved += 1
+        _begin(b, cache)
+    return plan
+
+
+def commit_copy_down(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> None:
+    for t in plan:
+        b = t.block
+        cache.tiers[HOST].reserved -= 1
+        if ok and b.key is not None:
+            cache._set_slot(b, HOST, t.dst_slot)
+            cache.counters["write_through_blocks"] += 1
+        else:
+            cache.tiers[HOST].allocator.free((t.dst_slot,))
+        _end(b, cache)
+
+
+# ---------------------------------------------------------------- compaction
+def movable(b: Block | None) -> bool:
+    """The compactor moves only published, unpinned blocks with no copy under way."""
+    return b is not None and b.key is not None and b.ref_count == 0 and b.in_flight == 0
+
+
+def plan_compaction(cache: TieredKVCache, t: int, max_moves: int) -> list[Transfer]:
+    """Pair the highest movable blocks with the lowest free slots below them."""
+    tier = cache.tiers[t]
+    alloc, owner = tier.allocator, tier.owner
+    plan: list[Transfer] = []
+    slot = alloc.highest_used()
+    while slot is not None and slot >= 0 and len(plan) < max_moves:
+        low = alloc.lowest_free()
+        if low is None or low >= slot:
+            break
+        b = owner[slot]
+        if movable(b):
+            alloc.allocate_at(low)
+            owner[low] = b
+            tier.reserved += 1
+            plan.append(Transfer(b, t, slot, t, low))
+            _begin(b, cache)
+        slot -= 1
+        while slot >= 0 and alloc.is_free(slot):
+            slot -= 1
+    return plan
+
+
+def commit_compaction(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> None:
+    for tr in plan:
+        b, t = tr.block, tr.src_tier
+        tier = cache.tiers[t]
+        tier.reserved -= 1
+        if ok and b.key is not None and b.ref_count == 0 and b.slots[t] == tr.src_slot:
+            tier.allocator.free((tr.src_slot,))
+            tier.owner[tr.src_slot] = None
+            b.slots[t] = tr.dst_slot     # same tier: counts and candidacy are unchanged
+            cache.counters["compaction_moves"] += 1
+        else:
+            tier.allocator.free((tr.dst_slot,))
+            tier.owner[tr.dst_slot] = None
+        _end(b, cache)
