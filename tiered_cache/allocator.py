@@ -146,9 +146,19 @@ class SlotAllocator:
         """O(1) look-up in the free flags."""
         return bool(self._free[self._check_range(slot)])
 
-    def lowest_free(self) -> int | None:
-        """Lowest free slot, or None. O(number of free runs): a min over run starts."""
-        return min(self._run_at_start, default=None)
+    def lowest_free(self, start: int = 0) -> int | None:
+        """Lowest free slot at or above `start`, or None.
+
+        NOTE: a memchr over the free flags (C speed, ~30 us per million slots worst case); the
+        compactor walks upward with `start`, so a whole step scans each flag at most once.
+        """
+        i = self._free.find(1, start)
+        return None if i < 0 else i
+
+    def highest_used_below(self, end: int) -> int | None:
+        """Highest allocated slot below `end`, or None (memchr from the top, like lowest_free)."""
+        i = self._free.rfind(0, 0, end)
+        return None if i < 0 else i
 
     def highest_used(self) -> int | None:
         """Highest allocated slot, or None. O(1): every slot above it is in the run that ends at

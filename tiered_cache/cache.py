@@ -41,7 +41,7 @@ from tiered_cache.errors import (
     TransferError,
 )
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
-from tiered_cache.locking import TimedLock
+from tiered_cache.locking import HoldStats, TimedLock
 from tiered_cache.sequence import Sequence
 from tiered_cache.sizing import resolve_device, tier_num_blocks
 from tiered_cache.tier import Tier
@@ -82,6 +82,7 @@ class TieredKVCache:
         self.tiers = self._build_tiers(config)
         self.index: dict[bytes, Block] = {}
         self._lock = TimedLock()
+        self.lookups = HoldStats()      # open(): prefix match + pin + reserve, per call
         self._clock = 0
         self._block_ids = itertools.count()
         self._open: dict[int, Sequence] = {}
@@ -90,10 +91,16 @@ class TieredKVCache:
              "demotion_bytes", "write_through_blocks", "collisions", "duplicates",
              "invalidated_blocks", "dropped_blocks", "sync_evictions", "transfer_failures",
              "transfer_retries", "compaction_moves"), 0)
+        if registry is None and config.metrics.http_port is not None:
+            from prometheus_client import CollectorRegistry
+            registry = CollectorRegistry()
         self.registry = registry
         if registry is not None:
             from tiered_cache.metrics import CacheCollector
             registry.register(CacheCollector(self))
+        if config.metrics.http_port is not None:
+            from tiered_cache.metrics import serve_metrics
+            serve_metrics(registry, config.metrics.http_port)
         # Background data plane: only meaningful when there is data to move.
         self.migrator = self.compactor = None
         self._closed = False
@@ -180,6 +187,7 @@ class TieredKVCache:
             time.sleep(0.0005)
 
     def _open_locked(self, tokens, salt, adapter_id, reserve_last) -> Sequence:
+        t0 = time.perf_counter()
         (root, root_id) = self.hasher.root(salt, adapter_id)
         seq = Sequence(id(self), root, tokens, self.num_layers, salt, adapter_id)
         seq.root_id = root_id
@@ -232,6 +240,7 @@ class TieredKVCache:
         self.counters["query_tokens"] += len(tokens)
         self.counters["hit_tokens"] += cached
         self._open[seq.id] = seq
+        self.lookups.observe(time.perf_counter() - t0)
         return seq
 
     def can_open(self, num_tokens: int) -> bool:
@@ -376,6 +385,7 @@ class TieredKVCache:
                 "transfer_retries": c["transfer_retries"],
                 "compaction_moves": c["compaction_moves"],
                 "lock_hold": self._lock.holds.summary(),
+                "lookup": self.lookups.summary(),
                 "cached_blocks": len(self.index),
                 "open_sequences": len(self._open),
             }

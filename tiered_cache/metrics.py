@@ -11,9 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 from prometheus_client.registry import Collector
+
+from tiered_cache.locking import BUCKETS
 
 if TYPE_CHECKING:
     from tiered_cache.cache import TieredKVCache
@@ -63,14 +69,40 @@ class CacheCollector(Collector):
         cached.add_metric([], s["cached_blocks"])
         open_seqs = GaugeMetricFamily(f"{PREFIX}_open_sequences", "Sequences open now")
         open_seqs.add_metric([], s["open_sequences"])
+        failures = CounterMetricFamily(f"{PREFIX}_transfer_failures",
+                                       "Copies given up after their retries (block kept valid "
+                                       "in its source tier)")
+        failures.add_metric([], s["transfer_failures"])
+        retries = CounterMetricFamily(f"{PREFIX}_transfer_retries", "Copies retried")
+        retries.add_metric([], s["transfer_retries"])
+        sync = CounterMetricFamily(f"{PREFIX}_sync_evictions",
+                                   "Device allocations that had to evict on the hot path")
+        sync.add_metric([], s["sync_evictions"])
+        compaction = CounterMetricFamily(f"{PREFIX}_compaction_moves",
+                                         "Blocks moved to lower slots by the compactor")
+        compaction.add_metric([], s["compaction_moves"])
+        frag = GaugeMetricFamily(f"{PREFIX}_fragmentation",
+                                 "Free slots below the highest used slot / used slots",
+                                 labels=["tier"])
+        for name, t in s["tiers"].items():
+            frag.add_metric([name], t["fragmentation"])
         yield from (query, hit, evictions, capacity, used, pinned, moves, moved_bytes,
-                    collisions, cached, open_seqs)
+                    collisions, cached, open_seqs, failures, retries, sync, compaction, frag,
+                    _histogram("lock_hold_seconds", "Control-plane lock hold time, per hold",
+                               self.cache._lock.holds),
+                    _histogram("lookup_seconds", "Time of open(): prefix match, pin, reserve",
+                               self.cache.lookups))
 
 
-def lookup_histogram(registry: CollectorRegistry) -> Histogram:
-    return Histogram(f"{PREFIX}_lookup_seconds", "Time of open(): prefix match and pinning",
-                     registry=registry,
-                     buckets=(1e-6, 1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 0.1, 1.0))
+def _histogram(name: str, doc: str, holds) -> HistogramMetricFamily:
+    buckets, seen = [], 0
+    for bound, count in zip(BUCKETS, holds.counts):
+        seen += count
+        buckets.append((repr(bound), seen))
+    buckets.append(("+Inf", holds.total))
+    hist = HistogramMetricFamily(f"{PREFIX}_{name}", doc)
+    hist.add_metric([], buckets, holds.sum)
+    return hist
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):

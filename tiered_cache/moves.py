@@ -161,10 +161,10 @@ def plan_compaction(cache: TieredKVCache, t: int, max_moves: int) -> list[Transf
     alloc, owner = tier.allocator, tier.owner
     plan: list[Transfer] = []
     slot = alloc.highest_used()
-    while slot is not None and slot >= 0 and len(plan) < max_moves:
-        low = alloc.lowest_free()
-        if low is None or low >= slot:
-            break
+    low = alloc.lowest_free()
+    # Two cursors: `slot` walks down over used slots, `low` up over free ones; each flag is
+    # looked at once per step, so a step is O(slots scanned) at memchr speed.
+    while slot is not None and low is not None and low < slot and len(plan) < max_moves:
         b = owner[slot]
         if movable(b):
             alloc.allocate_at(low)
@@ -172,9 +172,8 @@ def plan_compaction(cache: TieredKVCache, t: int, max_moves: int) -> list[Transf
             tier.reserved += 1
             plan.append(Transfer(b, t, slot, t, low))
             _begin(b, cache)
-        slot -= 1
-        while slot >= 0 and alloc.is_free(slot):
-            slot -= 1
+            low = alloc.lowest_free(low + 1)
+        slot = alloc.highest_used_below(slot)
     return plan
 
 
