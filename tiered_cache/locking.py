@@ -38,7 +38,7 @@ class HoldStats:
         for i, c in enumerate(self.counts):
             seen += c
             if seen >= rank and c:
-                return BUCKETS[i] if i < len(BUCKETS) else self.max
+                return min(BUCKETS[i], self.max) if i < len(BUCKETS) else self.max
         return self.max
 
     def reset(self) -> None:
