@@ -322,6 +322,23 @@ class TieredKVCache:
             index = self._flat_index(seq, 0, seq.written[layer])
             return self.tiers[GPU].pool.read_tokens(layer, index)
 
+    def attention(self, q, seqs: list[Sequence], layer: int, *, scale: float | None = None):
+        """Paged decode attention: `q` `[len(seqs), num_q_heads, head_dim]`, one query per
+        sequence, over every token written for `layer` (the newest included). Returns the same
+        shape. Blocks still being promoted are read from host (`kernels.missing_blocks`)."""
+        from tiered_cache import attention
+
+        self._need_storage("attention")
+        return attention.decode(self, q, list(seqs), layer, scale)
+
+    def prefill_attention(self, q, seq: Sequence, layer: int, *, scale: float | None = None):
+        """Attention of the last `n` written tokens (`q` `[n, num_q_heads, head_dim]`): causal
+        among them, full over everything before (chunked prefill over a cached prefix)."""
+        from tiered_cache import attention
+
+        self._need_storage("prefill_attention")
+        return attention.prefill(self, q, seq, layer, scale)
+
     def close(self, seq: Sequence) -> None:
         """Release a sequence: its published blocks stay cached (and become evictable), its
         private blocks (partial, or never fully written) are freed."""
@@ -705,6 +722,11 @@ class TieredKVCache:
         return torch.from_numpy(flat).to(self.tiers[GPU].pool.kv.device)
 
     # ------------------------------------------------------------------ validation
+    def _need_storage(self, what: str) -> None:
+        if not self.has_storage:
+            raise StorageDisabledError(f"{what} needs tensor storage; this cache has "
+                                       "storage: none")
+
     def _check_open(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence):
             raise TypeError(f"expected a Sequence from TieredKVCache.open, got "
@@ -730,9 +752,20 @@ class TieredKVCache:
             if x.dim() != 3 or tuple(x.shape[1:]) != want:
                 raise ShapeError(f"{name}: expected shape [n, {want[0]}, {want[1]}] "
                                  f"(tokens, kv heads, head_dim), got {list(x.shape)}")
-            if self.has_storage and x.dtype != self.tiers[GPU].pool.kv.dtype:
-                raise DTypeError(f"{name}: expected dtype {self.tiers[GPU].pool.kv.dtype} "
-                                 f"(model.dtype), got {x.dtype}")
+            if not self.has_storage:
+                continue
+            pool_dtype = self.tiers[GPU].pool.kv.dtype
+            if pool_dtype == torch.float8_e4m3fn:
+                # FP8 storage quantizes on write; the model computes in a wider type.
+                if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                    raise DTypeError(f"{name}: fp8_e4m3 storage takes float16, bfloat16 or "
+                                     f"float32 KV to quantize, got {x.dtype}")
+                if not bool(torch.isfinite(x).all()):
+                    raise DTypeError(f"{name}: fp8_e4m3 storage needs finite values "
+                                     "(a NaN or inf would poison the block's scale)")
+            elif x.dtype != pool_dtype:
+                raise DTypeError(f"{name}: expected dtype {pool_dtype} (model.dtype), "
+                                 f"got {x.dtype}")
         if key.shape != value.shape:
             raise ShapeError(f"key and value shapes differ: {list(key.shape)} vs "
                              f"{list(value.shape)}")

@@ -26,6 +26,8 @@ TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "fp8_e4m3": torch.float8_e4m3fn,
 }
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0             # largest finite e4m3 value
 
 
 class DevicePool:
@@ -37,22 +39,71 @@ class DevicePool:
         self.kv = torch.zeros((num_layers, 2, num_slots, block_size, num_kv_heads, head_dim),
                               dtype=dtype, device=self.device)
         self.block_size = block_size
+        # FP8: one float32 scale per (layer, K|V, slot); value = scale * fp8.
+        self.scales = (torch.ones((num_layers, 2, num_slots), dtype=torch.float32,
+                                  device=self.device) if dtype == FP8 else None)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[layer, 0], self.kv[layer, 1]
 
+    def layer_scales(self, layer: int):
+        return self.scales[layer, 0], self.scales[layer, 1]
+
     def write_tokens(self, layer: int, flat_index: torch.Tensor, key: torch.Tensor,
                      value: torch.Tensor) -> None:
         """Scatter tokens to flat positions `slot * block_size + offset` of one layer."""
+        if self.scales is not None:
+            self._write_fp8(layer, flat_index, key, value)
+            return
         k, v = self.layer(layer)
         k.view(-1, *k.shape[2:]).index_copy_(0, flat_index, key)
         v.view(-1, *v.shape[2:]).index_copy_(0, flat_index, value)
 
     def read_tokens(self, layer: int,
                     flat_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.layer(layer)
-        return (k.reshape(-1, *k.shape[2:]).index_select(0, flat_index),
-                v.reshape(-1, *v.shape[2:]).index_select(0, flat_index))
+        """Gather tokens; FP8 pools return them dequantized to float32."""
+        out = []
+        for which in (0, 1):
+            data = self.kv[layer, which]
+            if self.scales is None:
+                out.append(data.reshape(-1, *data.shape[2:]).index_select(0, flat_index))
+                continue
+            raw = data.view(torch.uint8).reshape(-1, *data.shape[2:]).index_select(0, flat_index)
+            scale = self.scales[layer, which][flat_index // self.block_size]
+            out.append(raw.view(FP8).float() * scale[:, None, None])
+        return out[0], out[1]
+
+    def _write_fp8(self, layer: int, flat: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor) -> None:
+        """Quantize on write with per-block scales.
+
+        NOTE: a block's scale only grows. A write that starts a block (offset 0) sets a fresh
+        scale from its own amax; a write into a partly filled block whose amax exceeds the
+        current scale requantizes that block's earlier tokens to the new scale first (at most
+        block_size tokens each), so every token of a block shares one scale, as attention
+        expects.
+        """
+        bs = self.block_size
+        slot, offset = flat // bs, flat % bs
+        blocks, inv = torch.unique(slot, return_inverse=True)
+        fresh = torch.zeros(len(blocks), dtype=torch.bool, device=flat.device)
+        fresh[inv[offset == 0]] = True
+        for which, x in ((0, key), (1, value)):
+            data = self.kv[layer, which].view(torch.uint8)          # [S, bs, H, D]
+            scales = self.scales[layer, which]
+            x = x.float()
+            amax = torch.zeros(len(blocks), device=x.device).scatter_reduce(
+                0, inv, x.abs().amax(dim=(1, 2)), "amax")
+            old = torch.where(fresh, torch.zeros_like(amax), scales[blocks])
+            new = torch.maximum(old, amax / FP8_MAX).clamp_min(1e-12)
+            grow = ~fresh & (new > old)
+            if bool(grow.any()):
+                g = blocks[grow]
+                ratio = (old[grow] / new[grow])[:, None, None, None]
+                data[g] = (data[g].view(FP8).float() * ratio).to(FP8).view(torch.uint8)
+            scales[blocks] = new
+            q = (x / new[inv][:, None, None]).to(FP8).view(torch.uint8)
+            data.view(-1, *data.shape[2:]).index_copy_(0, flat, q)
 
 
 class HostPool:
@@ -71,9 +122,16 @@ class HostPool:
             self.memory = "pageable"
             self.kv = torch.zeros(shape, dtype=dtype)
         self.block_size = block_size
+        self.scales = None
+        if dtype == FP8:
+            self.scales = torch.ones((num_slots, num_layers, 2), dtype=torch.float32,
+                                     pin_memory=self.kv.is_pinned())
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[:, layer, 0], self.kv[:, layer, 1]
+
+    def layer_scales(self, layer: int):
+        return self.scales[:, layer, 0], self.scales[:, layer, 1]
 
 
 def _managed_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:

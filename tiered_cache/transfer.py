@@ -11,6 +11,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from tiered_cache.block import Block
 
 
@@ -56,10 +58,29 @@ def execute(transfers: list[Transfer], pools: list,
             kernels.copy_blocks_to_gpu(pools[1].kv, src_slots, pools[0].kv, dst_slots,
                                        layers=layers, non_blocking=nb)
         elif src == dst:
-            pool = pools[src].kv
+            # NOTE: advanced indexing on a uint8 view: CPU torch has no index ops for fp8.
+            pool = pools[src].kv.view(torch.uint8)
             if pools[src].layout == "layer_major":
                 pool[:, :, dst_slots] = pool[:, :, src_slots]
             else:
                 pool[dst_slots] = pool[src_slots]
         else:
             raise ValueError(f"no copy path from tier {src} to tier {dst}")
+        if pools[src].scales is not None:
+            _copy_scales(pools, src, dst, src_slots, dst_slots, layers)
+
+
+def _copy_scales(pools, src: int, dst: int, src_slots, dst_slots, layers) -> None:
+    """FP8 per-block scales travel with their blocks (gpu: [L, 2, S], host: [S, L, 2])."""
+    a, b = pools[src].scales, pools[dst].scales
+    si = torch.as_tensor(src_slots, device=a.device)
+    di = torch.as_tensor(dst_slots, device=b.device)
+    if src == 0 and dst == 1:
+        b[di] = a[:, :, si].permute(2, 0, 1).to(b.device, non_blocking=True)
+    elif src == 1 and dst == 0:
+        for layer in (range(a.shape[1]) if layers is None else layers):
+            b[layer][:, di] = a[si, layer].t().to(b.device, non_blocking=True)
+    elif pools[src].layout == "layer_major":
+        a[:, :, di] = a[:, :, si]
+    else:
+        a[di] = a[si]
