@@ -573,7 +573,7 @@ migrator:
 
 compactor:
   enabled: true           # run the background compactor
-  threshold: 0.25         # fragmentation (fraction of free slots) that starts compaction
+  threshold: 0.25         # compact past this: free slots below the highest used one / used slots
   interval_s: 0.05        # seconds between compaction steps
   max_moves_per_step: 64  # blocks moved per step (bounds each lock hold)
 

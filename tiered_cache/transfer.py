@@ -11,8 +11,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-
 from tiered_cache.block import Block
 
 
@@ -49,6 +47,8 @@ def execute(transfers: list[Transfer], pools: list,
 
     # Pinned host <-> device copies are asynchronous on the caller's (copy) stream.
     nb = bool(pools[0].kv.is_cuda)
+    import torch
+
     for (src, dst, own_layers), (src_slots, dst_slots) in group(transfers).items():
         layers = own_layers if layers is None else layers
         if src == 0 and dst == 1:
@@ -72,6 +72,8 @@ def execute(transfers: list[Transfer], pools: list,
 
 def _copy_scales(pools, src: int, dst: int, src_slots, dst_slots, layers) -> None:
     """FP8 per-block scales travel with their blocks (gpu: [L, 2, S], host: [S, L, 2])."""
+    import torch
+
     a, b = pools[src].scales, pools[dst].scales
     si = torch.as_tensor(src_slots, device=a.device)
     di = torch.as_tensor(dst_slots, device=b.device)
