@@ -141,6 +141,6 @@ def _release(cache: TieredKVCache, held: list[Block]) -> None:
         for b in held:
             b.in_flight -= 1
             if b.key is None and b.ref_count == 0 and b.in_flight == 0:
-                cache._free_copies(b)
+                cache._release(b)
             else:
                 cache._refresh(b)

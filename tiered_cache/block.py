@@ -7,42 +7,52 @@ and every layer has been written.
 NOTE: per-block history that policies read (`hits`, `last_access`, `depth`) lives here rather than
 in the policy so that it survives the block leaving and re-entering a policy's candidate set (a
 block leaves it while pinned).
+
+NOTE: a plain `__slots__` class, not a dataclass, and the cache recycles released blocks
+(`reset`): a million-block cache allocates few new objects, so Python's cyclic GC, whose passes
+grow with the number of live containers, stays out of the hot path. A recycled block gets a new
+`id`, so anything keyed by id (policy state, ghost lists) never mistakes it for its old self.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 NO_SLOT = -1
 
 
-@dataclass(eq=False, slots=True)
 class Block:
-    id: int
-    depth: int                      # position in its prefix chain: block `depth` covers tokens
-                                    # [depth * block_size, (depth + 1) * block_size)
-    num_tiers: int
-    parent: Block | None = None
-    key: bytes | None = None        # 128-bit chained key; None while private
-    tokens: bytes = b""             # the block's token ids as int32 bytes, set when published
-    root_id: int = -1               # depth-0 blocks: which namespace + salt they were made under
-    slots: list[int] = field(default_factory=list)           # per tier; NO_SLOT when absent
-    resident_children: list[int] = field(default_factory=list)  # per tier: children with a copy
-    candidate: list[bool] = field(default_factory=list)      # per tier: in that tier's policy
-    children: dict[int, Block] = field(default_factory=dict)    # published children by id
-    ref_count: int = 0              # open sequences that use it (pinned while > 0)
-    in_flight: int = 0              # copies under way that read or write it
-    busy_tiers: tuple = ()       # tiers whose copy a move in flight reads (see moves.py)
-    pending: object | None = None   # LayerReadiness of an in-flight promotion into tier 0
-    hits: int = 0                   # times a request reused it
-    last_access: int = 0            # logical clock of the last use
-    inserted_at: int = 0            # logical clock of publication
+    __slots__ = ("id", "depth", "parent", "key", "tokens", "root_id", "slots",
+                 "resident_children", "candidate", "children", "ref_count", "in_flight",
+                 "busy_tiers", "pending", "hits", "last_access", "inserted_at")
 
-    def __post_init__(self) -> None:
-        if not self.slots:
-            self.slots = [NO_SLOT] * self.num_tiers
-            self.resident_children = [0] * self.num_tiers
-            self.candidate = [False] * self.num_tiers
+    def __init__(self, id: int, depth: int, num_tiers: int, parent: Block | None = None,
+                 key: bytes | None = None, ref_count: int = 0) -> None:
+        self.slots: list[int] = [NO_SLOT] * num_tiers              # per tier
+        self.resident_children: list[int] = [0] * num_tiers        # per tier: children with a copy
+        self.candidate: list[bool] = [False] * num_tiers           # per tier: in its policy
+        self.children: dict[int, Block] = {}                       # published children by id
+        self.reset(id, depth, parent, key, ref_count)
+
+    def reset(self, id: int, depth: int, parent: Block | None = None, key: bytes | None = None,
+              ref_count: int = 0) -> None:
+        """(Re)initialise every field; the per-tier lists are reused in place."""
+        self.id = id
+        self.depth = depth              # block `depth` covers tokens [depth*bs, (depth+1)*bs)
+        self.parent = parent
+        self.key = key                  # 128-bit chained key; None while private
+        self.tokens = b""               # token ids as int32 bytes, set when published
+        self.root_id = -1               # depth-0 blocks: namespace + salt they were made under
+        n = len(self.slots)
+        self.slots[:] = [NO_SLOT] * n
+        self.resident_children[:] = [0] * n
+        self.candidate[:] = [False] * n
+        self.children.clear()
+        self.ref_count = ref_count      # open sequences that use it (pinned while > 0)
+        self.in_flight = 0              # copies under way that read or write it
+        self.busy_tiers: tuple[int, ...] = ()   # tiers whose copy a move in flight reads
+        self.pending = None             # LayerReadiness of an in-flight promotion into tier 0
+        self.hits = 0                   # times a request reused it
+        self.last_access = 0            # logical clock of the last use
+        self.inserted_at = 0            # logical clock of publication
 
     @property
     def published(self) -> bool:

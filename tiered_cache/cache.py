@@ -86,6 +86,7 @@ class TieredKVCache:
         self._clock = 0
         self._block_ids = itertools.count()
         self._open: dict[int, Sequence] = {}
+        self._spare: list[Block] = []   # released blocks, reused by _make_block
         self.counters = dict.fromkeys(
             ("query_tokens", "hit_tokens", "promotions", "promotion_bytes", "demotions",
              "demotion_bytes", "write_through_blocks", "collisions", "duplicates",
@@ -195,9 +196,16 @@ class TieredKVCache:
         if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
             matched.pop()
             seq.keys.pop()
+        # One pass: pin, note what needs promoting and where each hit came from.
+        promote: list[Block] = []
+        source_tiers: list[int] = []
         for b in matched:
             self._pin(b)
-        promote = [b for b in matched if b.slots[GPU] == NO_SLOT]
+            if b.slots[GPU] == NO_SLOT:
+                promote.append(b)
+                source_tiers.append(b.fastest_tier())
+            else:
+                source_tiers.append(GPU)
         num_new = -(-len(tokens) // self.block_size) - len(matched)
         try:
             slots = self._allocate(GPU, len(promote) + num_new)
@@ -205,7 +213,6 @@ class TieredKVCache:
             for b in matched:
                 self._unpin(b)
             raise
-        source_tiers = [b.fastest_tier() for b in matched]
         try:
             if self.migrator is not None:
                 self.migrator.promote(promote, slots[:len(promote)])
@@ -222,13 +229,16 @@ class TieredKVCache:
                             if b.pending is not None}.values())
         # ---- nothing below can fail
         self._clock += 1
-        for b, t in zip(matched, source_tiers):
+        clock, tiers = self._clock, self.tiers
+        for b in matched:
             b.hits += 1
-            b.last_access = self._clock
-            self.tiers[t].hit_tokens += self.block_size
-            for tier in self.tiers:
-                if b.candidate[tier.index]:
-                    tier.policy.access(b)
+            b.last_access = clock
+            if True in b.candidate:     # a redundant lower-tier copy is still a candidate
+                for tier in tiers:
+                    if b.candidate[tier.index]:
+                        tier.policy.access(b)
+        for tier in tiers:
+            tier.hit_tokens += self.block_size * source_tiers.count(tier.index)
         seq.blocks = list(matched)
         self._new_blocks(seq, slots[len(promote):])
         cached = len(matched) * self.block_size
@@ -238,6 +248,7 @@ class TieredKVCache:
         seq.cached_tokens_by_tier = {
             tier.name: self.block_size * source_tiers.count(tier.index) for tier in self.tiers}
         self.counters["query_tokens"] += len(tokens)
+        self.counters["collisions"] += seq.collided
         self.counters["hit_tokens"] += cached
         self._open[seq.id] = seq
         self.lookups.observe(time.perf_counter() - t0)
@@ -351,7 +362,7 @@ class TieredKVCache:
                     b.last_access = self._clock
                 self._unpin(b)
                 if b.ref_count == 0 and b.key is None and b.in_flight == 0:
-                    self._free_copies(b)
+                    self._release(b)
             seq.blocks = []
             seq.closed = True
             del self._open[seq.id]
@@ -421,29 +432,30 @@ class TieredKVCache:
         so a 1M-token prompt with a short cached prefix hashes only that prefix.
         """
         tokens = seq.token_ids
-        step = self.block_size
+        nbytes = self.block_size * 4
         data = tokens.tobytes()
-        nbytes = step * 4
-        key, parent = seq.root, None
+        key, parent, root_id = seq.root, None, seq.root_id
         matched: list[Block] = []
-        h, index = self.hasher.hash_fn, self.index
-        for i in range(len(tokens) // step):
-            chunk = data[i * nbytes:(i + 1) * nbytes]
+        keys = seq.keys
+        h, get, verify = self.hasher.hash_fn, self.index.get, self.verify_tokens
+        for off in range(0, (len(tokens) // self.block_size) * nbytes, nbytes):
+            chunk = data[off:off + nbytes]
             key = h(key + chunk)
-            b = index.get(key)
+            b = get(key)
             if b is None:
                 break
-            if not self._verify(b, parent, seq.root_id, chunk):
-                self.counters["collisions"] += 1
+            # The parent identity and root checks are free and make a colliding key harmless
+            # even with verify_tokens off for everything but the block's own tokens.
+            if (b.parent is not parent or (verify and b.tokens != chunk)
+                    or (parent is None and b.root_id != root_id)):
+                seq.collided = True     # counted only if the open succeeds
                 break
-            seq.keys.append(key)
+            keys.append(key)
             matched.append(b)
             parent = b
         return matched
 
     def _verify(self, b: Block, parent: Block | None, root_id: int, chunk: bytes) -> bool:
-        # The parent identity and root checks are free and make a colliding key harmless even
-        # with verify_tokens off for everything but the block's own tokens.
         if b.parent is not parent or (parent is None and b.root_id != root_id):
             return False
         return not self.verify_tokens or b.tokens == chunk
@@ -629,22 +641,33 @@ class TieredKVCache:
             self._refresh(b.parent)
         self._refresh(b)
 
-    def _free_copies(self, b: Block) -> None:
+    def _release(self, b: Block) -> None:
+        """Free every copy of an unpublished, unpinned block no copy is using, and keep the
+        object for reuse (see block.py on why blocks are recycled)."""
         for t, slot in enumerate(b.slots):
             if slot != NO_SLOT:
                 self._clear_slot(b, t)
+        self._spare.append(b)
+
+    def _make_block(self, depth: int, ref_count: int) -> Block:
+        if self._spare:
+            b = self._spare.pop()
+            b.reset(next(self._block_ids), depth, ref_count=ref_count)
+            return b
+        return Block(next(self._block_ids), depth, len(self.tiers), ref_count=ref_count)
 
     def _refresh(self, b: Block) -> None:
         """Re-derive b's candidacy in every tier (invariant 4) and tell the policies."""
         faster = False
-        published = b.key is not None and b.in_flight == 0
+        eligible = b.key is not None and b.in_flight == 0
+        unpinned = b.ref_count == 0
+        slots, kids, cand = b.slots, b.resident_children, b.candidate
         for tier in self.tiers:
             t = tier.index
-            has = b.slots[t] != NO_SLOT
-            want = (published and has and b.resident_children[t] == 0
-                    and (b.ref_count == 0 or faster))
-            if want != b.candidate[t]:
-                b.candidate[t] = want
+            has = slots[t] != NO_SLOT
+            want = eligible and has and kids[t] == 0 and (unpinned or faster)
+            if want != cand[t]:
+                cand[t] = want
                 if want:
                     tier.policy.insert(b)
                 else:
@@ -670,7 +693,7 @@ class TieredKVCache:
     def _new_blocks(self, seq: Sequence, slots: list[int]) -> None:
         """Private blocks for the sequence's uncached tokens, already holding device slots."""
         for slot in slots:
-            b = Block(next(self._block_ids), len(seq.blocks), len(self.tiers), ref_count=1)
+            b = self._make_block(len(seq.blocks), ref_count=1)
             b.slots[GPU] = slot
             self.tiers[GPU].owner[slot] = b
             self.tiers[GPU].pinned_blocks += 1
@@ -689,7 +712,7 @@ class TieredKVCache:
             parent = b.parent
             del self.index[b.key]
             b.key = None
-            b.children = {}
+            b.children.clear()
             # A parent dropped earlier in this walk has already forgotten its children.
             if parent is not None and parent.key is not None:
                 parent.children.pop(b.id, None)
@@ -698,11 +721,11 @@ class TieredKVCache:
                         parent.resident_children[t] -= 1
                 self._refresh(parent)
             b.parent = None
-            b.resident_children = [0] * len(self.tiers)
+            b.resident_children[:] = [0] * len(self.tiers)
             # NOTE: an in-flight block's slots are being copied; the move's commit frees them.
-            if b.ref_count == 0 and b.in_flight == 0:
-                self._free_copies(b)
             self._refresh(b)
+            if b.ref_count == 0 and b.in_flight == 0:
+                self._release(b)
             dropped += 1
         return dropped
 

@@ -26,8 +26,8 @@ MAX_TOKEN_ID = 2**31 - 1
 _VERSION = b"tiered-cache/block-key/v1"
 
 
-def xxh3_128(data: bytes) -> bytes:
-    return xxhash.xxh3_128_digest(data)
+# The C function itself, not a wrapper: it runs once per block on every open().
+xxh3_128: HashFn = xxhash.xxh3_128_digest
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,8 @@ def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:
             # bool is an int subclass; a True in a prompt is a bug, not token 1.
             if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
                 raise TokenError(f"{what}[{i}]: expected a non-negative int, got {t!r}")
+            if not 0 <= t <= MAX_TOKEN_ID:
+                raise TokenError(f"{what}[{i}]: expected a token id in [0, 2**31), got {t}")
         arr = np.asarray(token_ids, dtype=np.int64) if len(token_ids) else np.zeros(0, np.int64)
     else:
         raise TokenError(f"{what}: expected a list, numpy array or tensor of ints, "

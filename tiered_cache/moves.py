@@ -39,7 +39,7 @@ def _end(b: Block, cache: TieredKVCache) -> None:
     b.busy_tiers = ()
     b.in_flight -= 1
     if b.key is None and b.ref_count == 0 and b.in_flight == 0:
-        cache._free_copies(b)           # dropped while in flight
+        cache._release(b)           # dropped while in flight
     else:
         cache._refresh(b)
 

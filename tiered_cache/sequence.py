@@ -38,6 +38,7 @@ class Sequence:
         self.num_published = 0                  # leading blocks that are published (or tried)
         self.pending: list = []                 # LayerReadiness of promotions it waits on
         self.closed = False
+        self.collided = False                   # open() met a key whose block differed
 
     @property
     def token_ids(self) -> np.ndarray:
