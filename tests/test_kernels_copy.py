@@ -1,0 +1,137 @@
+"""Block copies between the layer-major GPU pool and the block-major host pool."""
+
+import os
+import shutil
+
+# Decide before anything imports triton: without a GPU driver, run Triton kernels interpreted.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from tiered_cache.kernels import copy_blocks_to_gpu, copy_blocks_to_host  # noqa: E402
+from tiered_cache.kernels.reference import as_bits, slot_runs  # noqa: E402
+from tiered_cache.kernels.testing import backend_params, seed_for  # noqa: E402
+
+L, S_GPU, S_HOST, BLOCK = 3, 10, 12, (4, 2, 8)
+SENTINEL = 0x55  # bytes of untouched memory
+
+
+def _pools(dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gpu = torch.randn(L, 2, S_GPU, *BLOCK, generator=gen).to(dtype)
+    host = torch.empty(S_HOST, L, 2, *BLOCK, dtype=dtype)
+    host.view(torch.uint8).fill_(SENTINEL)
+    return gpu, host
+
+
+SLOTS = {
+    "contiguous": ([2, 3, 4, 5], [6, 7, 8, 9]),
+    "scattered": ([9, 0, 4, 7], [3, 11, 0, 5]),
+    "mixed": ([1, 2, 3, 8, 5, 6], [0, 1, 2, 10, 4, 5]),  # runs of 3, 1 and 2
+}
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("pattern", sorted(SLOTS))
+def test_round_trip_gpu_host_gpu(backend, dtype, pattern):
+    gpu, host = _pools(dtype, seed_for("copy", dtype, pattern))
+    src, dst = SLOTS[pattern]
+    copy_blocks_to_host(gpu, torch.tensor(src, dtype=torch.int32), host, dst, backend=backend)
+    for s, d in zip(src, dst):
+        assert torch.equal(as_bits(host[d]), as_bits(gpu[:, :, s]))
+    untouched = [i for i in range(S_HOST) if i not in dst]
+    assert (host[untouched].view(torch.uint8) == SENTINEL).all()
+
+    back = torch.empty_like(gpu)
+    back.view(torch.uint8).fill_(SENTINEL)
+    new_slots = [S_GPU - 1 - i for i in range(len(src))]
+    copy_blocks_to_gpu(host, dst, back, new_slots, backend=backend)
+    for s, n in zip(src, new_slots):
+        assert torch.equal(as_bits(back[:, :, n]), as_bits(gpu[:, :, s]))
+    others = [i for i in range(S_GPU) if i not in new_slots]
+    assert (back[:, :, others].view(torch.uint8) == SENTINEL).all()
+
+
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("layers", [[1], [0, 2], [2, 0, 1]])
+def test_copy_to_gpu_layer_subset(backend, layers):
+    """Layer-wise promotion: only the named layers are written."""
+    gpu, host = _pools(torch.float16, seed_for("layers", layers))
+    host.copy_(torch.randn(host.shape).to(host.dtype))
+    src, dst = [4, 5, 11, 0], [1, 2, 3, 7]
+    copy_blocks_to_gpu(host, src, gpu_before := gpu.clone(), dst, layers=layers, backend=backend)
+    for layer in range(L):
+        for s, d in zip(src, dst):
+            want = host[s, layer] if layer in layers else gpu[layer, :, d]
+            assert torch.equal(gpu_before[layer, :, d], want)
+    others = [i for i in range(S_GPU) if i not in dst]
+    assert torch.equal(gpu_before[:, :, others], gpu[:, :, others])
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_scales_travel_with_the_same_functions(backend):
+    """FP8 scales gpu [L, 2, S] / host [S_h, L, 2] move as 1-element blocks."""
+    gpu_scales = torch.rand(L, 2, S_GPU)
+    host_scales = torch.zeros(S_HOST, L, 2)
+    copy_blocks_to_host(gpu_scales[..., None], [3, 1], host_scales[..., None], [0, 5],
+                        backend=backend)
+    assert torch.equal(host_scales[0], gpu_scales[:, :, 3])
+    assert torch.equal(host_scales[5], gpu_scales[:, :, 1])
+
+
+def test_slot_runs_coalesce_adjacent_pairs():
+    src = torch.tensor([3, 4, 5, 9, 1, 2])
+    dst = torch.tensor([0, 1, 2, 3, 7, 8])
+    assert slot_runs(src, dst) == [(3, 0, 3), (9, 3, 1), (1, 7, 2)]
+    assert slot_runs(torch.tensor([5, 6]), torch.tensor([1, 0])) == [(5, 1, 1), (6, 0, 1)]
+    assert slot_runs(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64)) == []
+
+
+def test_torch_twin_uses_one_slice_copy_per_run(monkeypatch):
+    """A contiguous batch is one copy_ (not one per block), whatever the number of blocks."""
+    gpu, host = _pools(torch.float32, 0)
+    calls = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: calls.append(1) or real(
+        self, *a, **k))
+    copy_blocks_to_host(gpu, range(0, 8), host, range(2, 10), backend="torch")
+    assert len(calls) == 1
+
+
+def test_copy_rejects_bad_inputs():
+    gpu, host = _pools(torch.float32, 0)
+    with pytest.raises(ValueError, match="equal lengths"):
+        copy_blocks_to_host(gpu, [0, 1], host, [0])
+    with pytest.raises(ValueError, match="distinct"):
+        copy_blocks_to_host(gpu, [0, 1], host, [3, 3])
+    with pytest.raises(ValueError, match="host_slots"):
+        copy_blocks_to_host(gpu, [0], host, [S_HOST])
+    with pytest.raises(ValueError, match="host_kv"):
+        copy_blocks_to_host(gpu, [0], host[:, :2], [0])
+    with pytest.raises(TypeError, match="host_kv"):
+        copy_blocks_to_host(gpu, [0], host.double(), [0])
+    with pytest.raises(ValueError, match="layers"):
+        copy_blocks_to_gpu(host, [0], gpu, [0], layers=[L])
+    with pytest.raises(TypeError, match="gpu_slots"):
+        copy_blocks_to_gpu(host, [0], gpu, [0.5])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_copy_gpu_pinned_round_trip(backend):
+    gpu_cpu, host = _pools(torch.bfloat16, 1)
+    gpu = gpu_cpu.cuda()
+    host = host.pin_memory()
+    src, dst = [9, 0, 4, 7, 1, 2], [3, 11, 0, 5, 6, 7]
+    copy_blocks_to_host(gpu, src, host, dst, backend=backend)
+    torch.cuda.synchronize()
+    for s, d in zip(src, dst):
+        assert torch.equal(host[d], gpu_cpu[:, :, s])
+    back = torch.zeros_like(gpu)
+    copy_blocks_to_gpu(host, dst, back, src, layers=[0, 2], backend=backend)
+    torch.cuda.synchronize()
+    assert torch.equal(back[[0, 2]][:, :, src].cpu(), gpu_cpu[[0, 2]][:, :, src])
+    assert (back[1] == 0).all()
