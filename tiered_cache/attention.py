@@ -110,6 +110,8 @@ def _tables(cache: TieredKVCache, seqs: list[Sequence], layer: int, device: torc
     lens = torch.zeros(len(seqs), dtype=torch.int32)
     held: list[Block] = []
     with cache._lock:
+        for seq in seqs:
+            cache._check_open(seq)
         for i, seq in enumerate(seqs):
             row, tier_row = [], []
             for b in seq.blocks:

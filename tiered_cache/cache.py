@@ -196,19 +196,17 @@ class TieredKVCache:
         if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
             matched.pop()
             seq.keys.pop()
-        # One pass: pin, note what needs promoting and where each hit came from.
-        promote: list[Block] = []
-        source_tiers: list[int] = []
+        promote = [b for b in matched if b.slots[GPU] == NO_SLOT]
+        need = len(promote) + -(-len(tokens) // self.block_size) - len(matched)
+        # Check room before pinning, so that a refused open leaves even the policies' order
+        # untouched: blocks this open would pin stop being evictable.
+        pinning = sum(1 for b in matched if b.ref_count == 0 and b.slots[GPU] != NO_SLOT)
+        self._check_room(GPU, need, extra_pinned=pinning)
+        source_tiers = [GPU if b.slots[GPU] != NO_SLOT else b.fastest_tier() for b in matched]
         for b in matched:
             self._pin(b)
-            if b.slots[GPU] == NO_SLOT:
-                promote.append(b)
-                source_tiers.append(b.fastest_tier())
-            else:
-                source_tiers.append(GPU)
-        num_new = -(-len(tokens) // self.block_size) - len(matched)
         try:
-            slots = self._allocate(GPU, len(promote) + num_new)
+            slots = self._allocate(GPU, need)
         except BaseException:
             for b in matched:
                 self._unpin(b)
@@ -244,6 +242,7 @@ class TieredKVCache:
         cached = len(matched) * self.block_size
         seq.num_cached_tokens = cached
         seq.num_published = len(matched)
+        seq.chain = matched[-1] if matched else None
         seq.written = [cached] * self.num_layers
         seq.cached_tokens_by_tier = {
             tier.name: self.block_size * source_tiers.count(tier.index) for tier in self.tiers}
@@ -267,6 +266,7 @@ class TieredKVCache:
         self._when_settled(self._append_locked, seq, tokens)
 
     def _append_locked(self, seq: Sequence, tokens: np.ndarray) -> None:
+        self._check_open(seq)
         have = len(seq.blocks) * self.block_size
         need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
         slots = self._allocate(GPU, need, hint=self._hint(seq)) if need else []
@@ -282,6 +282,7 @@ class TieredKVCache:
         self._check_layer(layer)
         n = self._check_kv(key, value)
         with self._lock:
+            self._check_open(seq)       # again: another thread may have closed it meanwhile
             start = seq.written[layer]
             if start + n > seq.num_tokens:
                 raise ShapeError(f"write: layer {layer} has {start} of {seq.num_tokens} tokens "
@@ -302,6 +303,7 @@ class TieredKVCache:
             raise StorageDisabledError("mark_computed is only for `storage: none`; with tensor "
                                        "storage, write the KV with write()")
         with self._lock:
+            self._check_open(seq)
             seq.written = [seq.num_tokens] * self.num_layers
             self._publish_ready(seq)
 
@@ -330,6 +332,7 @@ class TieredKVCache:
             raise StorageDisabledError("gather needs tensor storage; this cache has storage: none")
         self.wait(seq, layer)
         with self._lock:
+            self._check_open(seq)
             index = self._flat_index(seq, 0, seq.written[layer])
             return self.tiers[GPU].pool.read_tokens(layer, index)
 
@@ -355,6 +358,7 @@ class TieredKVCache:
         private blocks (partial, or never fully written) are freed."""
         self._check_open(seq)
         with self._lock:
+            self._check_open(seq)
             self._clock += 1
             # Leaf first, so ties in recency evict the deepest block of a chain first.
             for b in reversed(seq.blocks):
@@ -470,18 +474,32 @@ class TieredKVCache:
         fresh: list[Block] = []
         for i in range(seq.num_published, ready):
             b = seq.blocks[i]
-            parent = seq.blocks[i - 1] if i else None
             chunk = tokens[i * nbytes:(i + 1) * nbytes]
             if len(seq.keys) == i:
                 seq.keys.append(self.hasher.key(seq.keys[-1] if i else seq.root, chunk))
             key = seq.keys[i]
-            if parent is not None and parent.key is None:
-                continue        # below a block that could not be published: stays private
+            # `chain` is the published block standing for block i-1: the sequence's own, or an
+            # equal one another sequence published first. None at depth 0; False once broken.
+            parent = seq.chain if i else None
+            if parent is False or (parent is not None and parent.key is None):
+                seq.chain = False   # below a block that could not be published: stays private
+                continue
             existing = self.index.get(key)
             if existing is not None:
                 same = existing.parent is parent and existing.tokens == chunk and (
                     parent is not None or existing.root_id == seq.root_id)
                 self.counters["duplicates" if same else "collisions"] += 1
+                seq.chain = False
+                if same and existing.pending is None and existing.slots[GPU] != NO_SLOT:
+                    # NOTE: an equal block another sequence published first, readable on the
+                    # device: use it instead of ours (pinned like any block of ours) and
+                    # free ours, so the rest of the chain publishes under it. Otherwise the
+                    # rest stays private: a parent we do not pin could vanish under us.
+                    self._pin(existing)
+                    seq.blocks[i] = existing
+                    self._unpin(b)
+                    self._release(b)
+                    seq.chain = existing
                 continue
             b.key, b.tokens, b.parent = key, chunk, parent
             if parent is None:
@@ -496,6 +514,7 @@ class TieredKVCache:
                 self._refresh(parent)
             self._refresh(b)
             fresh.append(b)
+            seq.chain = b
         seq.num_published = ready
         if self.write_through and fresh and len(self.tiers) > 1:
             if self.migrator is not None:
@@ -533,18 +552,24 @@ class TieredKVCache:
         a = tier.allocator
         return a.num_free + a.num_used - tier.pinned_blocks - tier.reserved - tier.busy
 
+    def _check_room(self, t: int, n: int, extra_pinned: int = 0) -> None:
+        tier = self.tiers[t]
+        room = self._room(t) - extra_pinned
+        if room < n:
+            exc = CapacityError(
+                f"tier {tier.name!r} cannot provide {n} blocks: {tier.allocator.num_free} "
+                f"free, {tier.pinned_blocks + extra_pinned} pinned, "
+                f"{tier.reserved + tier.busy} held by copies under way, of "
+                f"{tier.capacity_blocks}")
+            exc.transient = room + tier.busy + tier.reserved >= n
+            raise exc
+
     def _allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
         tier = self.tiers[t]
         if n <= 0:
             return []
         if tier.allocator.num_free < n:
-            if self._room(t) < n:
-                exc = CapacityError(
-                    f"tier {tier.name!r} cannot provide {n} blocks: {tier.allocator.num_free} "
-                    f"free, {tier.pinned_blocks} pinned, {tier.reserved + tier.busy} held by "
-                    f"copies under way, of {tier.capacity_blocks}")
-                exc.transient = self._room(t) + tier.busy + tier.reserved >= n
-                raise exc
+            self._check_room(t, n)
             if t == GPU:
                 # The migrator's watermark keeps free slots; reaching here means it fell behind.
                 self.counters["sync_evictions"] += 1
@@ -558,45 +583,74 @@ class TieredKVCache:
 
     def _evict(self, t: int, n: int) -> None:
         """Free `n` slots of tier t by the tier's policy. Victims with no copy in a slower tier
-        are demoted to the next tier when it has room, and dropped otherwise."""
+        are demoted to the next tier when it has room, and dropped otherwise.
+
+        NOTE: victims are taken one at a time, and each leaves the tier (in the metadata)
+        before the next is chosen, so a parent whose last child just left competes at once by
+        its own priority: a stale chain goes before fresher leaves of other chains. The copies
+        are batched and run before the lock is released; the source slots they read are free
+        in the allocator but nothing can take them meanwhile (only lower tiers allocate here).
+        """
         tier = self.tiers[t]
         below = t + 1 if t + 1 < len(self.tiers) else None
         target = tier.allocator.num_free + n
+        plan: list[Transfer] = []
+        try:
+            self._pick_victims(t, below, target, plan)
+        finally:
+            # Even if the loop stopped early, every metadata move above must get its data.
+            # A block demoted above may have been dropped again by a later host eviction in
+            # this loop (and its host slot reused): its copy is void.
+            plan = [p for p in plan if p.block.slots[p.dst_tier] == p.dst_slot]
+            try:
+                self._run(plan)
+            except TransferError:
+                self._undo_demotions(t, plan)
+                raise
+            self.counters["demotions"] += len(plan)
+            self.counters["demotion_bytes"] += len(plan) * self.block_bytes
+
+    def _pick_victims(self, t: int, below: int | None, target: int,
+                      plan: list[Transfer]) -> None:
+        tier = self.tiers[t]
         while tier.allocator.num_free < target:
-            victims = tier.policy.victims(target - tier.allocator.num_free)
-            if not victims:
-                raise CapacityError(f"tier {tier.name!r}: no evictable block left")
-            for v in victims:
-                v.candidate[t] = False
-            demote = [v for v in victims if below is not None
-                      and all(s == NO_SLOT for s in v.slots[t + 1:])]
-            if demote:
-                demote = demote[:self._room(below)]
-            if demote:
-                dst = self._allocate(below, len(demote))
-                live = [(v, s) for v, s in zip(demote, dst) if v.slots[t] != NO_SLOT]
-                unused = [s for v, s in zip(demote, dst) if v.slots[t] == NO_SLOT]
-                self.tiers[below].allocator.free(unused)
-                plan = [Transfer(v, t, v.slots[t], below, s) for v, s in live]
-                try:
-                    self._run(plan, free_on_error=(below, [s for _, s in live]))
-                except TransferError:
-                    for v in victims:
-                        self._refresh(v)
-                    raise
-                for v, s in live:
-                    self._set_slot(v, below, s)
-                self.counters["demotions"] += len(live)
-                self.counters["demotion_bytes"] += len(live) * self.block_bytes
-            for v in victims:
-                if v.slots[t] == NO_SLOT:
-                    continue            # already dropped by a cascade above
-                self._clear_slot(v, t)
-                tier.evictions += 1
-                if v.fastest_tier() < 0:
-                    self.counters["dropped_blocks"] += self._drop_subtree(v)
-                else:
-                    self._refresh(v)
+            got = tier.policy.victims(1)
+            if not got:
+                # Room counted blocks that are not candidates yet (a parent whose child is
+                # in flight): transient when copies under way will change that.
+                exc = CapacityError(f"tier {tier.name!r}: no evictable block left")
+                exc.transient = tier.busy + tier.reserved > 0
+                raise exc
+            v = got[0]
+            v.candidate[t] = False
+            if (below is not None and all(s == NO_SLOT for s in v.slots[t + 1:])
+                    and self._room(below) > 0):
+                (dst,) = self._allocate(below, 1)
+                if v.slots[t] == NO_SLOT:       # dropped by the lower tier's eviction
+                    self.tiers[below].allocator.free((dst,))
+                    continue
+                plan.append(Transfer(v, t, v.slots[t], below, dst))
+                self._set_slot(v, below, dst)
+            if v.slots[t] == NO_SLOT:
+                continue
+            self._clear_slot(v, t)
+            tier.evictions += 1
+            if v.fastest_tier() < 0:
+                self.counters["dropped_blocks"] += self._drop_subtree(v)
+
+    def _undo_demotions(self, t: int, plan: list[Transfer]) -> None:
+        """A synchronous demotion copy failed: put the victims back in their (still free,
+        still intact) source slots and drop the host copies that never got their data."""
+        tier = self.tiers[t]
+        for p in plan:
+            v = p.block
+            if tier.allocator.is_free(p.src_slot):
+                tier.allocator.allocate_at(p.src_slot)
+                self._set_slot(v, t, p.src_slot)
+                tier.evictions -= 1
+            self._clear_slot(v, p.dst_tier)
+            if v.fastest_tier() < 0:
+                self.counters["dropped_blocks"] += self._drop_subtree(v)
 
     def _promote(self, blocks: list[Block], slots: list[int]) -> None:
         """Copy host-resident blocks into reserved device slots (synchronously)."""

@@ -36,6 +36,7 @@ class Sequence:
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.written = [0] * num_layers         # tokens written so far, per layer
         self.num_published = 0                  # leading blocks that are published (or tried)
+        self.chain: Block | None | bool = None  # published block standing for the last one
         self.pending: list = []                 # LayerReadiness of promotions it waits on
         self.closed = False
         self.collided = False                   # open() met a key whose block differed

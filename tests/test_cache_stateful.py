@@ -1,0 +1,258 @@
+"""Stateful property tests of TieredKVCache (hypothesis `RuleBasedStateMachine`).
+
+Tiny capacities and a two-letter token alphabet, so prompts share prefixes, tiers fill up,
+blocks are demoted, promoted, evicted for good and invalidated under open readers all the time.
+
+The KV written for a position is a pattern of (tenant salt, tokens up to that position, layer),
+what a causal model's KV depends on, so the expected value of every gathered element is known
+whichever sequence computed it and whichever tiers it travelled through. After every step
+`check_invariants` (cache.py's docstring lists them). CapacityError is allowed where the device
+tier is full of pinned blocks, and must leave the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from tests.helpers import (
+    cached_prefix_blocks,
+    check_invariants,
+    check_pattern,
+    make_cache,
+    pattern_kv,
+    snapshot,
+    write_pattern,
+)
+from tiered_cache.errors import CapacityError
+from tiered_cache.policies import POLICIES
+
+BLOCK = 4
+ALPHABET = st.integers(0, 1)
+SALTS = [None, "tenant-b"]
+DTYPES = ["float32", "float16", "bfloat16"]
+WRITE_POLICIES = ["write_back", "write_through"]
+
+prompt_st = st.lists(ALPHABET, min_size=0, max_size=14)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Shared rules. Subclasses decide storage (tensors or none) and the configuration."""
+
+    storage = "tensors"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = None
+        self.seqs: list = []
+        self.pool: list[list[int]] = []
+
+    def build(self, **cfg) -> None:
+        self.cache = make_cache(block_size=BLOCK, num_layers=2, num_kv_heads=1, head_dim=4,
+                                storage=self.storage, **cfg)
+
+    # -------------------------------------------------------------------- helpers
+    def expect_unchanged(self, fn) -> bool:
+        """Run fn; on CapacityError check that the cache is exactly as before. True if it ran."""
+        before = snapshot(self.cache)
+        try:
+            fn()
+        except CapacityError:
+            assert snapshot(self.cache) == before
+            return False
+        return True
+
+    def check_opened(self, seq, prompt, reserve_last) -> None:
+        c = seq.num_cached_tokens
+        assert c % BLOCK == 0 and 0 <= c <= len(prompt)
+        assert sum(seq.cached_tokens_by_tier.values()) == c
+        assert set(seq.cached_tokens_by_tier) == {t.name for t in self.cache.tiers}
+        if reserve_last and prompt:
+            assert c < len(prompt)
+        assert seq.written == [c] * self.cache.num_layers
+        assert seq.token_ids.tolist() == prompt
+
+    # -------------------------------------------------------------------- rules
+    @rule(i=st.integers(0, 63), salt=st.sampled_from(SALTS), reserve_last=st.booleans(),
+          extra=st.lists(ALPHABET, max_size=3))
+    def open(self, i, salt, reserve_last, extra):
+        prompt = self.pool[i % len(self.pool)] + extra
+        out = []
+        if self.expect_unchanged(lambda: out.append(
+                self.cache.open(prompt, salt=salt, reserve_last=reserve_last))):
+            seq = out[0]
+            self.check_opened(seq, prompt, reserve_last)
+            self.seqs.append(seq)
+            if self.storage == "tensors":
+                check_pattern(self.cache, seq)        # the cached prefix is this tenant's KV
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63), layer=st.integers(0, 1), n=st.integers(0, 12))
+    def write(self, i, layer, n):
+        seq = self.seqs[i % len(self.seqs)]
+        n = min(n, seq.num_tokens - seq.written[layer])
+        before = seq.written[layer]
+        if self.storage == "tensors":
+            write_pattern(self.cache, seq, layer, n)
+        else:
+            k, v = pattern_kv(self.cache, seq.salt, seq.token_ids, before, before + n, layer)
+            self.cache.write(seq, layer, k, v)
+        assert seq.written[layer] == before + n
+
+    def fill(self, seq) -> None:
+        """Write every declared token of every layer (a prefill), or mark_computed."""
+        if self.storage == "tensors":
+            for layer in range(self.cache.num_layers):
+                write_pattern(self.cache, seq, layer)
+        else:
+            self.cache.mark_computed(seq)
+        assert seq.written == [seq.num_tokens] * self.cache.num_layers
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63))
+    def prefill(self, i):
+        self.fill(self.seqs[i % len(self.seqs)])
+
+    @rule(i=st.integers(0, 63), salt=st.sampled_from(SALTS), extra=st.lists(ALPHABET, max_size=3))
+    def request(self, i, salt, extra):
+        """A whole request in one step: open, check the hit, prefill, check, close."""
+        prompt = self.pool[i % len(self.pool)] + extra
+        out = []
+        if not self.expect_unchanged(lambda: out.append(self.cache.open(prompt, salt=salt))):
+            return
+        seq = out[0]
+        self.check_opened(seq, prompt, False)
+        self.fill(seq)
+        if self.storage == "tensors":
+            check_pattern(self.cache, seq)
+        self.cache.close(seq)
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63), new=st.lists(ALPHABET, min_size=1, max_size=6))
+    def append(self, i, new):
+        seq = self.seqs[i % len(self.seqs)]
+        before = seq.token_ids.tolist()
+        if self.expect_unchanged(lambda: self.cache.append(seq, new)):
+            assert seq.token_ids.tolist() == before + new
+        else:
+            assert seq.token_ids.tolist() == before
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63))
+    def close(self, i):
+        seq = self.seqs.pop(i % len(self.seqs))
+        self.cache.close(seq)
+        assert seq.closed
+
+    @rule(i=st.integers(0, 63), salt=st.sampled_from(SALTS))
+    def invalidate(self, i, salt):
+        prompt = self.pool[i % len(self.pool)]
+        cached = self.cache.stats()["cached_blocks"]
+        n = self.cache.invalidate(prompt, salt=salt)
+        assert n >= 0
+        assert self.cache.stats()["cached_blocks"] == cached - n
+        if len(prompt) >= BLOCK:
+            assert cached_prefix_blocks(self.cache, prompt, salt) == 0
+
+    @precondition(lambda self: self.seqs and self.storage == "tensors")
+    @rule(i=st.integers(0, 63))
+    def gather_and_check(self, i):
+        check_pattern(self.cache, self.seqs[i % len(self.seqs)])
+
+    # -------------------------------------------------------------------- invariants
+    @invariant()
+    def invariants_hold(self):
+        if self.cache is None:
+            return
+        check_invariants(self.cache)
+        s = self.cache.stats()
+        assert s["open_sequences"] == len(self.seqs)
+        assert s["hit_tokens"] <= s["query_tokens"]
+        assert s["hit_tokens"] == sum(s["hit_tokens_by_tier"].values())
+        for t in s["tiers"].values():
+            assert 0 <= t["pinned_blocks"] <= t["used_blocks"] <= t["capacity_blocks"]
+
+    def teardown(self):
+        if self.cache is None:
+            return
+        if self.storage == "tensors":
+            for seq in self.seqs:
+                check_pattern(self.cache, seq)
+        self.cache.shutdown()
+        check_invariants(self.cache)
+        s = self.cache.stats()
+        assert s["open_sequences"] == 0
+        for t in s["tiers"].values():
+            assert t["pinned_blocks"] == 0
+        # Only published blocks hold slots once nothing is open.
+        used = sum(t["used_blocks"] for t in s["tiers"].values())
+        copies = sum(sum(1 for x in b.slots if x >= 0) for b in self.cache.index.values())
+        assert used == copies
+
+
+pool_st = st.lists(prompt_st, min_size=2, max_size=6)
+
+
+class TensorMachine(CacheMachine):
+    storage = "tensors"
+    dtype = "float32"
+    write_policy = "write_back"
+
+    @initialize(gpu=st.integers(6, 10), host=st.integers(0, 8), stems=pool_st,
+                suffixes=pool_st, policy=st.sampled_from(["lru", "s3fifo", "cost_aware"]))
+    def setup(self, gpu, host, stems, suffixes, policy):
+        self.build(gpu_blocks=gpu, host_blocks=host, dtype=self.dtype, policy=policy,
+                   write_policy=self.write_policy)
+        # Prompts share stems, so their prefixes (and blocks) overlap.
+        self.pool = [stem + suf for stem in stems for suf in suffixes][:12]
+
+
+class MetadataMachine(CacheMachine):
+    """Storage-free (`storage: none`): larger tiers and runs, every policy, mark_computed."""
+
+    storage = "none"
+
+    @initialize(gpu=st.integers(6, 40), host=st.integers(0, 40), stems=pool_st,
+                suffixes=pool_st, policy=st.sampled_from(sorted(POLICIES)),
+                write_policy=st.sampled_from(WRITE_POLICIES),
+                verify=st.booleans())
+    def setup(self, gpu, host, stems, suffixes, policy, write_policy, verify):
+        self.build(gpu_blocks=gpu, host_blocks=host, policy=policy, write_policy=write_policy,
+                   verify_tokens=verify)
+        self.pool = [stem + suf for stem in stems for suf in suffixes][:20]
+
+    @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 63))
+    def mark_computed(self, i):
+        seq = self.seqs[i % len(self.seqs)]
+        self.cache.mark_computed(seq)
+        assert seq.written == [seq.num_tokens] * self.cache.num_layers
+
+
+TENSOR_SETTINGS = settings(max_examples=60, stateful_step_count=50, deadline=None,
+                           suppress_health_check=[HealthCheck.too_slow,
+                                                  HealthCheck.filter_too_much])
+METADATA_SETTINGS = settings(max_examples=100, stateful_step_count=150, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow,
+                                                    HealthCheck.filter_too_much])
+
+
+@pytest.mark.parametrize("write_policy", WRITE_POLICIES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_cache_state_machine(dtype, write_policy):
+    machine = type(f"TensorMachine_{dtype}_{write_policy}", (TensorMachine,),
+                   {"dtype": dtype, "write_policy": write_policy})
+    run_state_machine_as_test(machine, settings=TENSOR_SETTINGS)
+
+
+def test_metadata_cache_state_machine():
+    run_state_machine_as_test(MetadataMachine, settings=METADATA_SETTINGS)
