@@ -613,30 +613,37 @@ class TieredKVCache:
     def _pick_victims(self, t: int, below: int | None, target: int,
                       plan: list[Transfer]) -> None:
         tier = self.tiers[t]
-        while tier.allocator.num_free < target:
-            got = tier.policy.victims(1)
-            if not got:
-                # Room counted blocks that are not candidates yet (a parent whose child is
-                # in flight): transient when copies under way will change that.
-                exc = CapacityError(f"tier {tier.name!r}: no evictable block left")
-                exc.transient = tier.busy + tier.reserved > 0
-                raise exc
-            v = got[0]
-            v.candidate[t] = False
-            if (below is not None and all(s == NO_SLOT for s in v.slots[t + 1:])
-                    and self._room(below) > 0):
-                (dst,) = self._allocate(below, 1)
+        # Lower-tier slots reserved in batches: one lower-tier eviction pass serves many
+        # demotions instead of one per victim. Unused ones are given back at the end.
+        reserve: list[int] = []
+        try:
+            while tier.allocator.num_free < target:
+                got = tier.policy.victims(1)
+                if not got:
+                    # Room counted blocks that are not candidates yet (a parent whose child
+                    # is in flight): transient when copies under way will change that.
+                    exc = CapacityError(f"tier {tier.name!r}: no evictable block left")
+                    exc.transient = tier.busy + tier.reserved > 0
+                    raise exc
+                v = got[0]
+                v.candidate[t] = False
+                if below is not None and all(s == NO_SLOT for s in v.slots[t + 1:]):
+                    if not reserve:
+                        k = min(target - tier.allocator.num_free, self._room(below))
+                        reserve = self._allocate(below, k)[::-1] if k > 0 else []
+                    if reserve and v.slots[t] != NO_SLOT:
+                        dst = reserve.pop()
+                        plan.append(Transfer(v, t, v.slots[t], below, dst))
+                        self._set_slot(v, below, dst)
                 if v.slots[t] == NO_SLOT:       # dropped by the lower tier's eviction
-                    self.tiers[below].allocator.free((dst,))
                     continue
-                plan.append(Transfer(v, t, v.slots[t], below, dst))
-                self._set_slot(v, below, dst)
-            if v.slots[t] == NO_SLOT:
-                continue
-            self._clear_slot(v, t)
-            tier.evictions += 1
-            if v.fastest_tier() < 0:
-                self.counters["dropped_blocks"] += self._drop_subtree(v)
+                self._clear_slot(v, t)
+                tier.evictions += 1
+                if v.fastest_tier() < 0:
+                    self.counters["dropped_blocks"] += self._drop_subtree(v)
+        finally:
+            if reserve:
+                self.tiers[below].allocator.free(reserve)
 
     def _undo_demotions(self, t: int, plan: list[Transfer]) -> None:
         """A synchronous demotion copy failed: put the victims back in their (still free,
