@@ -378,3 +378,20 @@ AllocatorMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=40, deadline=None
 )
 TestAllocatorMachine = AllocatorMachine.TestCase
+
+
+def test_free_one_matches_free_and_rejects_bad_slots():
+    a, b = SlotAllocator(16), SlotAllocator(16)
+    slots = a.allocate(10)
+    b.allocate(10)
+    for s in (3, 4, 9, 0):
+        a.free_one(s)
+        b.free([s])
+    assert a.runs() == b.runs() and a.num_free == b.num_free
+    before = a.runs()
+    with pytest.raises(ValueError, match="double free"):
+        a.free_one(3)
+    with pytest.raises(ValueError, match="out of range"):
+        a.free_one(16)
+    assert a.runs() == before
+    assert slots == list(range(10))

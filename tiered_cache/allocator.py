@@ -142,6 +142,16 @@ class SlotAllocator:
             self._insert_free(start, count)
             i = j
 
+    def free_one(self, slot: int) -> None:
+        """Return one slot: the eviction hot path's `free`, same checks, no batch overhead."""
+        if not 0 <= slot < self._n:
+            raise ValueError(f"slot {slot} is out of range [0, {self._n})")
+        if self._free[slot]:
+            raise ValueError(f"slot {slot} is already free (double free)")
+        self._free[slot] = 1
+        self._num_free += 1
+        self._insert_free(slot, 1)
+
     def is_free(self, slot: int) -> bool:
         """O(1) look-up in the free flags."""
         return bool(self._free[self._check_range(slot)])

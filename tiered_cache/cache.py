@@ -692,7 +692,7 @@ class TieredKVCache:
         self._refresh(b)
 
     def _clear_slot(self, b: Block, t: int) -> None:
-        self.tiers[t].allocator.free((b.slots[t],))
+        self.tiers[t].allocator.free_one(b.slots[t])
         self.tiers[t].owner[b.slots[t]] = None
         b.slots[t] = NO_SLOT
         if b.ref_count:
@@ -774,17 +774,19 @@ class TieredKVCache:
             del self.index[b.key]
             b.key = None
             b.children.clear()
+            held = [t for t, slot in enumerate(b.slots) if slot != NO_SLOT]
             # A parent dropped earlier in this walk has already forgotten its children.
             if parent is not None and parent.key is not None:
                 parent.children.pop(b.id, None)
-                for t, slot in enumerate(b.slots):
-                    if slot != NO_SLOT:
-                        parent.resident_children[t] -= 1
-                self._refresh(parent)
+                for t in held:
+                    parent.resident_children[t] -= 1
+                if held:
+                    self._refresh(parent)
             b.parent = None
             b.resident_children[:] = [0] * len(self.tiers)
+            if held:                    # only a block with a copy can be a candidate
+                self._refresh(b)
             # NOTE: an in-flight block's slots are being copied; the move's commit frees them.
-            self._refresh(b)
             if b.ref_count == 0 and b.in_flight == 0:
                 self._release(b)
             dropped += 1
