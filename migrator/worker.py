@@ -134,14 +134,21 @@ class Migrator:
         if job.kind == "promotion":
             r = job.readiness
 
-            def copy_layer(layer: int) -> None:
-                execute(job.plan, pools, layers=(layer,))
+            # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
+            # signalled as soon as it lands: small promotions would otherwise pay the per-call
+            # overhead once per layer, large ones still land layer by layer.
+            per_layer = max(1, len(job.plan) * cache.block_bytes // cache.num_layers)
+            group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
             error = None
-            for layer in range(cache.num_layers):
-                error = self._attempt("promotion", lambda l=layer: copy_layer(l), stream)
+            for first in range(0, cache.num_layers, group):
+                layers = tuple(range(first, min(cache.num_layers, first + group)))
+                error = self._attempt("promotion", partial(execute, job.plan, pools, layers),
+                                      stream)
                 if error is not None:
                     break
-                r.layer_done(layer, self._event(stream))
+                event = self._event(stream)
+                for layer in layers:
+                    r.layer_done(layer, event)
             self._sync(stream)
             with cache._lock:
                 moves.commit_promotion(cache, job.plan, error is None)

@@ -28,6 +28,7 @@ def make(backend: str = "torch", missing: str = "zero_copy", gpu: int = 12) -> T
         "tiers": {"gpu": {"num_blocks": gpu}, "host": {"num_blocks": 64}},
         "kernels": {"attention_backend": backend, "missing_blocks": missing},
         "compactor": {"enabled": False},
+        "migrator": {"promotion_chunk_bytes": 0},   # layer by layer, so one can be in flight
     }))
 
 

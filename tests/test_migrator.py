@@ -92,7 +92,7 @@ def _slow(kind_to_slow: str, delay: float):
 
 
 def test_promotion_lands_layer_by_layer_and_readers_wake_per_layer():
-    cache = make(8, 40)
+    cache = make(8, 40, migrator={"promotion_chunk_bytes": 0})   # one layer per copy
     prompt = list(range(4 * BS))
     seq = cache.open(prompt)
     fill(cache, seq, prompt)
@@ -128,7 +128,7 @@ def test_promotion_lands_layer_by_layer_and_readers_wake_per_layer():
 
 
 def test_wait_timeout_raises_clearly():
-    cache = make(8, 40, migrator={"wait_timeout_s": 0.05})
+    cache = make(8, 40, migrator={"wait_timeout_s": 0.05, "promotion_chunk_bytes": 0})
     prompt = list(range(2 * BS))
     seq = cache.open(prompt)
     fill(cache, seq, prompt)
@@ -322,3 +322,44 @@ def test_concurrent_stress_with_migrator_and_compactor():
     assert stats["hit_tokens"] > 0 and stats["demotions"] > 0
     cache.shutdown()
     check_invariants(cache)
+
+
+def test_watermark_demotion_moves_whole_chains_as_contiguous_runs():
+    """Only leaves are candidates, yet a chain leaves in one batch (parents ride along once all
+    their device children leave) and lands in ascending host slots: one large copy."""
+    cache = make(40, 80, migrator={"high_watermark": 0.5, "low_watermark": 0.1,
+                                   "batch_blocks": 64})
+    prompt = list(range(8 * BS))
+    seq = cache.open(prompt)
+    fill(cache, seq, prompt)
+    cache.close(seq)
+    other = [5000 + i for i in range(14 * BS)]                 # 22/40 blocks > 50%
+    seq = cache.open(other)
+    fill(cache, seq, other)
+    cache.close(seq)
+    deadline = time.monotonic() + 5
+    while cache.stats()["tiers"]["gpu"]["used_blocks"] > 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    settle(cache)
+    with cache.locked():
+        chain = [cache.index[k] for k in keys_of(cache, prompt)]
+        host = [b.slots[1] for b in chain]
+    assert all(s >= 0 for s in host)
+    assert host == list(range(host[0], host[0] + len(host)))     # one contiguous run
+    seq = cache.open(prompt)
+    check_data(cache, seq, prompt)
+    cache.close(seq)
+    check_invariants(cache)
+    cache.shutdown()
+
+
+def keys_of(cache: TieredKVCache, tokens: list[int]) -> list[bytes]:
+    import numpy as np
+
+    root, _ = cache.hasher.root(None, None)
+    data = np.asarray(tokens, dtype=np.int32).tobytes()
+    keys, key = [], root
+    for i in range(len(tokens) // BS):
+        key = cache.hasher.key(key, data[i * BS * 4:(i + 1) * BS * 4])
+        keys.append(key)
+    return keys

@@ -502,3 +502,25 @@ def test_random_operations_match_reference(name, ops, capacity):
     rest = ids(policy.victims(N_BLOCKS + 1))
     assert sorted(rest) == sorted(candidates)
     assert len(policy) == 0
+
+
+def test_priority_heap_sheds_stale_entries_without_a_full_rebuild():
+    """Pin/unpin churn leaves stale heap entries; they are drained a bounded number per call
+    (no stop-the-world rebuild) while victims keep coming out in priority order."""
+    from tiered_cache.policies.lru import LRUPolicy
+
+    p = LRUPolicy(5000)
+    blocks = [mk(i, last_access=i) for i in range(5000)]
+    for b in blocks:
+        p.insert(b)
+    clock = 5000
+    for _ in range(6):                           # every block pinned and unpinned again
+        for b in blocks:
+            p.remove(b)
+            clock += 1
+            b.last_access = clock
+            p.insert(b)
+        assert len(p._heap) + len(p._old) <= 2 * len(p) + 1024 + 2 * p._DRAIN
+    out = p.victims(5000)
+    assert [b.last_access for b in out] == sorted(b.last_access for b in blocks)
+    assert len(p) == 0

@@ -601,7 +601,7 @@ class TieredKVCache:
             # Even if the loop stopped early, every metadata move above must get its data.
             # A block demoted above may have been dropped again by a later host eviction in
             # this loop (and its host slot reused): its copy is void.
-            plan = [p for p in plan if p.block.slots[p.dst_tier] == p.dst_slot]
+            plan = self._coalesce([p for p in plan if p.block.slots[p.dst_tier] == p.dst_slot])
             try:
                 self._run(plan)
             except TransferError:
@@ -644,6 +644,22 @@ class TieredKVCache:
         finally:
             if reserve:
                 self.tiers[below].allocator.free(reserve)
+
+    def _coalesce(self, plan: list[Transfer]) -> list[Transfer]:
+        """Pair ascending source slots with ascending destination slots (a permutation of the
+        destinations among the plan's blocks, none of which anyone has read yet), so adjacent
+        slots on both sides merge into one large copy."""
+        if len(plan) < 2:
+            return plan
+        plan = sorted(plan, key=lambda p: p.src_slot)
+        out = []
+        for p, d in zip(plan, sorted(p.dst_slot for p in plan)):
+            if p.dst_slot != d:
+                p.block.slots[p.dst_tier] = d
+                self.tiers[p.dst_tier].owner[d] = p.block
+                p = Transfer(p.block, p.src_tier, p.src_slot, p.dst_tier, d, p.layers)
+            out.append(p)
+        return out
 
     def _undo_demotions(self, t: int, plan: list[Transfer]) -> None:
         """A synchronous demotion copy failed: put the victims back in their (still free,

@@ -310,6 +310,7 @@ class MigratorConfig(_Section):
     batch_blocks: int = 64
     wait_timeout_s: float = 30.0
     max_retries: int = 3
+    promotion_chunk_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
         _bool(self._key("enabled"), self.enabled)
@@ -324,6 +325,7 @@ class MigratorConfig(_Section):
         _positive_int(self._key("batch_blocks"), self.batch_blocks)
         self.wait_timeout_s = _positive_number(self._key("wait_timeout_s"), self.wait_timeout_s)
         _non_negative_int(self._key("max_retries"), self.max_retries)
+        _non_negative_int(self._key("promotion_chunk_bytes"), self.promotion_chunk_bytes)
 
 
 @dataclass
@@ -570,6 +572,7 @@ migrator:
   batch_blocks: 64        # blocks per migration batch
   wait_timeout_s: 30.0    # longest wait for an in-flight promotion before giving up
   max_retries: 3          # retries of a failed copy before the block stays where it is
+  promotion_chunk_bytes: 8388608  # promote at least this many bytes per copy (0: a layer each)
 
 compactor:
   enabled: true           # run the background compactor

@@ -52,8 +52,12 @@ def plan_demotion(cache: TieredKVCache, n: int) -> list[Transfer]:
     victims = gpu.policy.victims(n)
     for v in victims:
         v.candidate[GPU] = False
+    _extend_chains(victims, n)
     has_host = len(cache.tiers) > 1
-    need = [v for v in victims if has_host and v.slots[HOST] == NO_SLOT]
+    # Ascending device slots paired with ascending host slots: adjacent blocks merge into one
+    # large copy (transfer.group sorts by source slot).
+    need = sorted((v for v in victims if has_host and v.slots[HOST] == NO_SLOT),
+                  key=lambda v: v.slots[GPU])
     k = min(len(need), cache._room(HOST)) if has_host else 0
     dst = cache._allocate(HOST, k) if k else []
     plan: list[Transfer] = []
@@ -73,6 +77,26 @@ def plan_demotion(cache: TieredKVCache, n: int) -> list[Transfer]:
         if v.fastest_tier() < 0:
             cache.counters["dropped_blocks"] += cache._drop_subtree(v)
     return plan
+
+
+def _extend_chains(victims: list[Block], n: int) -> None:
+    """Add to the batch, up to n blocks, each parent whose device-resident children all leave
+    in it (published, unpinned, not in flight).
+
+    NOTE: only leaves are candidates, so a batch would hold one block per chain and every
+    copy would be a single block. A parent used only through this chain was last used with
+    it, so taking it along keeps the policy's order while long chains move as long runs.
+    """
+    leaving: dict[int, int] = {}
+    i = 0
+    while i < len(victims) and len(victims) < n:
+        p = victims[i].parent
+        i += 1
+        if p is None or p.key is None or p.ref_count or p.in_flight or p.candidate[GPU]:
+            continue
+        leaving[p.id] = leaving.get(p.id, 0) + 1
+        if leaving[p.id] == p.resident_children[GPU] and p.slots[GPU] != NO_SLOT:
+            victims.append(p)
 
 
 def commit_demotion(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> None:
@@ -121,7 +145,8 @@ def commit_promotion(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> No
 
 # ---------------------------------------------------------------- write-through
 def plan_copy_down(cache: TieredKVCache, blocks: list[Block]) -> list[Transfer]:
-    blocks = [b for b in blocks if b.slots[HOST] == NO_SLOT and b.slots[GPU] != NO_SLOT]
+    blocks = sorted((b for b in blocks if b.slots[HOST] == NO_SLOT and b.slots[GPU] != NO_SLOT),
+                    key=lambda b: b.slots[GPU])
     n = min(len(blocks), cache._room(HOST))
     if n == 0:
         return []

@@ -61,14 +61,23 @@ class CachePolicy(ABC):
 class PriorityPolicy(CachePolicy):
     """Candidates in a binary heap keyed by `priority(block)`, lowest evicted first.
 
-    O(log n) insert and pop; `remove` is O(1) by lazy deletion (the live entry of each block is
-    remembered, stale heap entries are skipped on pop and the heap is rebuilt when more than half
-    of it is stale), which keeps pin/unpin churn cheap.
+    O(log n) insert and pop; `remove` is O(1) by lazy deletion: the live entry of each block is
+    remembered and stale entries are skipped on pop, which keeps pin/unpin churn cheap.
+
+    NOTE: stale entries are shed without a stop-the-world rebuild. Once over half the heap is
+    stale, it becomes `_old` and a fresh heap starts; every later call moves a bounded number
+    of entries (`_DRAIN`) from the end of `_old` into the fresh heap, dropping stale ones.
+    Taking from the end of a heap array leaves a valid heap, so `victims` simply pops the
+    smaller of the two tops. Every call does O(_DRAIN log n) work at most, so no lock hold
+    grows with the number of cached blocks.
     """
+
+    _DRAIN = 256
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
         self._heap: list[tuple[float, int, int, Block]] = []
+        self._old: list[tuple[float, int, int, Block]] = []   # being drained into _heap
         self._live: dict[int, int] = {}   # block.id -> sequence number of its live entry
         self._seq = itertools.count()
 
@@ -89,11 +98,24 @@ class PriorityPolicy(CachePolicy):
     def _maybe_compact(self) -> None:
         # Checked on insert too, not only on remove: `access` re-keys a candidate by pushing a
         # fresh entry, so a tier whose candidates keep getting hits (a host copy of a block that
-        # is pinned on the GPU) would otherwise grow stale entries without bound until the next
-        # eviction. Rebuilding only when over half is stale keeps this amortized O(1).
-        if len(self._heap) > 1024 and len(self._heap) > 2 * len(self._live):
-            self._heap = [e for e in self._heap if self._live.get(e[3].id) == e[2]]
-            heapq.heapify(self._heap)
+        # is pinned on the GPU) would otherwise grow stale entries until the next eviction.
+        if self._old:
+            self._drain()
+        elif len(self._heap) > 1024 and len(self._heap) > 2 * len(self._live):
+            self._old, self._heap = self._heap, []
+            self._drain()
+
+    def _drain(self) -> None:
+        old, heap, live = self._old, self._heap, self._live
+        for _ in range(min(self._DRAIN, len(old))):
+            e = old.pop()
+            if live.get(e[3].id) == e[2]:
+                heapq.heappush(heap, e)
+
+    def entries(self) -> list[tuple[float, int, int, Block]]:
+        """Live heap entries (for subclasses that re-key in bulk)."""
+        live = self._live
+        return [e for e in self._heap + self._old if live.get(e[3].id) == e[2]]
 
     def access(self, block: Block) -> None:
         if block.id in self._live:      # re-key a candidate that was hit
@@ -101,13 +123,16 @@ class PriorityPolicy(CachePolicy):
 
     def victims(self, n: int) -> list[Block]:
         out: list[Block] = []
-        heap, live = self._heap, self._live
-        while heap and len(out) < n:
-            prio, _, seq, block = heapq.heappop(heap)
+        heap, old, live = self._heap, self._old, self._live
+        while (heap or old) and len(out) < n:
+            src = old if not heap or (old and old[0] < heap[0]) else heap
+            prio, _, seq, block = heapq.heappop(src)
             if live.get(block.id) == seq:
                 del live[block.id]
                 self.on_evict(prio, block)
                 out.append(block)
+        if old:
+            self._drain()
         return out
 
     def on_evict(self, priority: float, block: Block) -> None:  # noqa: B027 - optional hook
