@@ -1,0 +1,151 @@
+"""Small helpers shared by the benchmarks: timing, table printing, JSON results.
+
+Every benchmark compares against a baseline measured in the same run (these machines are noisy),
+prints a table and writes JSON under ``results/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "results"
+
+
+def time_it(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5,
+            sync: Callable[[], Any] | None = None,
+            setup: Callable[[], Any] | None = None) -> dict[str, float]:
+    """Run ``fn`` ``warmup`` times untimed, then ``repeats`` times timed.
+
+    ``sync`` (e.g. ``torch.cuda.synchronize``) runs before the clock starts and before it stops,
+    so asynchronous device work is inside the measurement. ``setup`` runs untimed before every
+    call. Returns ``{"median_s", "min_s", "max_s", "repeats"}``.
+    """
+    for _ in range(warmup):
+        if setup is not None:
+            setup()
+        fn()
+    if sync is not None:
+        sync()
+    times = []
+    for _ in range(max(1, repeats)):
+        if setup is not None:
+            setup()
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+            "repeats": len(times)}
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank quantile of ``values`` (0.0 for an empty list)."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))
+    return s[k]
+
+
+def gbps(nbytes: int | float, seconds: float) -> float:
+    """Decimal GB/s (1e9 bytes per second)."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            return str(value)
+        if value == 0:
+            return "0"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.{digits}g}" if abs(value) < 1 else f"{value:.{digits}f}".rstrip(
+            "0").rstrip(".")
+    return str(value)
+
+
+def print_table(rows: Iterable[dict[str, Any]], columns: Sequence[str] | None = None,
+                title: str | None = None, file=None) -> str:
+    """Print ``rows`` (dicts) as an aligned text table; returns the text. Missing cells are
+    blank; numbers are right-aligned."""
+    rows = list(rows)
+    if columns is None:
+        columns = []
+        for r in rows:
+            columns.extend(k for k in r if k not in columns)
+    cells = [[fmt(r.get(c, "")) if r.get(c, "") != "" else "" for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    numeric = [all(isinstance(r.get(c), (int, float)) or r.get(c) in ("", None) for r in rows)
+               for c in columns]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    out = []
+    if title:
+        out.append(title)
+    out.append(line(columns))
+    out.append("  ".join("-" * w for w in widths))
+    out.extend(line(row) for row in cells)
+    text = "\n".join(out)
+    print(text, file=file or sys.stdout, flush=True)
+    return text
+
+
+def environment() -> dict[str, Any]:
+    """Where the numbers come from (quoted with every result)."""
+    info: dict[str, Any] = {"python": platform.python_version(), "machine": platform.machine(),
+                            "cpus": os.cpu_count()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        info["cuda"] = torch.cuda.is_available()
+        if info["cuda"]:
+            info["gpu"] = torch.cuda.get_device_name()
+    except ImportError:  # pragma: no cover - torch is a dependency
+        pass
+    return info
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` as JSON (parent folders created); relative paths are taken from the
+    current directory. Returns the path written."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2, sort_keys=False, default=_json_default) + "\n")
+    print(f"wrote {p}", flush=True)
+    return p
+
+
+def default_out(name: str) -> str:
+    """``results/<name>.json`` under the repository root."""
+    return str(RESULTS / f"{name}.json")
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)

@@ -1,0 +1,287 @@
+"""Control-plane cost per block: open + publish (mark_computed) + close, storage-free.
+
+A `storage: none` cache (block_size 16, device tier of exactly N blocks, no host tier) is filled
+with N distinct cached blocks (prompts of 64 blocks), then two loops are timed:
+
+- hit:  re-open cached prompts chosen at random (64 blocks matched and pinned), mark_computed
+        (nothing left to publish), close.
+- miss: open prompts never seen before (64 new blocks; the tier is full, so 64 blocks are
+        evicted), mark_computed (64 blocks published), close.
+
+Baselines, measured in the same run, over the same prompts and the same N keys:
+
+- floor: compute the chained xxh3-128 keys of the prompt's blocks (from the same int32 token
+         arrays) and look each one up in a plain dict holding the cache's N keys: the least work
+         any prefix cache must do per block.
+- dict.get: a bare `dict.get` loop over precomputed keys, for scale.
+- LRU dict: the floor plus the bookkeeping of the simplest possible LRU cache of keys (an
+         OrderedDict: `move_to_end` on a hit; insert and `popitem(last=False)` on a miss), for
+         context on the miss loop, which must publish and evict.
+
+Every time is the best of `--repeats` runs (ours and the floor interleaved), with the garbage
+collector frozen/disabled while timing (same for both). Targets (from the issue): ours within 4x
+of the floor, and flat (max/min within 1.2) from 10^4 to 10^6 cached blocks. Whether they are
+met is reported as measured.
+
+    python benchmarks/control_plane.py            # 10^3 .. 10^6 cached blocks
+    python benchmarks/control_plane.py --quick    # 10^3 .. 10^5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import psutil
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, print_table, write_json  # noqa: E402
+
+from tiered_cache import CacheConfig, TieredKVCache  # noqa: E402
+
+BLOCK = 16
+PROMPT_BLOCKS = 64
+PROMPT_TOKENS = BLOCK * PROMPT_BLOCKS
+
+
+def make_cache(num_blocks: int) -> TieredKVCache:
+    cfg = CacheConfig.from_dict({
+        "model": {"name": "bench", "num_layers": 80, "num_kv_heads": 8, "head_dim": 128,
+                  "dtype": "bfloat16"},
+        "block_size": BLOCK,
+        "storage": "none",
+        "policy": "lru",
+        "tiers": {"gpu": {"device": "cpu", "num_blocks": num_blocks},
+                  "host": {"num_blocks": 0}},
+        "migrator": {"enabled": False},
+        "compactor": {"enabled": False},
+    })
+    return TieredKVCache(cfg)
+
+
+def prompt(i: int) -> np.ndarray:
+    """Prompt i: 1024 distinct token ids, so every block of every prompt is distinct."""
+    start = i * PROMPT_TOKENS
+    return np.arange(start, start + PROMPT_TOKENS, dtype=np.int32)
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def run_ours(cache: TieredKVCache, prompts: list[np.ndarray], check: bool = True) -> float:
+    open_, mark, close = cache.open, cache.mark_computed, cache.close
+    t0 = time.perf_counter()
+    for p in prompts:
+        s = open_(p)
+        mark(s)
+        close(s)
+    dt = time.perf_counter() - t0
+    if check:                                     # sanity: the loop did what it claims
+        s = cache.open(prompts[-1])
+        assert s.num_cached_tokens == PROMPT_TOKENS, s.num_cached_tokens
+        cache.close(s)
+    return dt
+
+
+def run_floor(index: dict, root: bytes, prompts: list[np.ndarray]) -> float:
+    h = xxhash.xxh3_128_digest
+    get = index.get
+    step = BLOCK * 4
+    t0 = time.perf_counter()
+    for p in prompts:
+        data = p.tobytes()
+        key = root
+        for i in range(0, len(data), step):
+            key = h(key + data[i:i + step])
+            get(key)
+    return time.perf_counter() - t0
+
+
+def run_lru_dict(lru: OrderedDict, root: bytes, prompts: list[np.ndarray]) -> float:
+    h = xxhash.xxh3_128_digest
+    get, touch, pop = lru.get, lru.move_to_end, lru.popitem
+    step = BLOCK * 4
+    t0 = time.perf_counter()
+    for p in prompts:
+        data = p.tobytes()
+        key = root
+        for i in range(0, len(data), step):
+            key = h(key + data[i:i + step])
+            if get(key, False) is False:
+                lru[key] = True
+                pop(last=False)
+            else:
+                touch(key)
+    return time.perf_counter() - t0
+
+
+def run_dict_get(index: dict, keys: list[bytes]) -> float:
+    get = index.get
+    t0 = time.perf_counter()
+    for k in keys:
+        get(k)
+    return time.perf_counter() - t0
+
+
+def chain_keys(root: bytes, p: np.ndarray) -> list[bytes]:
+    data, step, key, out = p.tobytes(), BLOCK * 4, root, []
+    for i in range(0, len(data), step):
+        key = xxhash.xxh3_128_digest(key + data[i:i + step])
+        out.append(key)
+    return out
+
+
+# ---------------------------------------------------------------------------- one size
+
+
+def measure(n_blocks: int, sample: int, repeats: int, seed: int) -> list[dict]:
+    """Fill a device tier of exactly `n_blocks` slots with `n_blocks` cached blocks (64-block
+    prompts, the last one shorter), then time the hit and miss loops."""
+    n_prompts, rest = divmod(n_blocks, PROMPT_BLOCKS)
+    cache = make_cache(n_blocks)
+    gc.disable()
+    t0 = time.perf_counter()
+    for i in range(n_prompts + (rest > 0)):
+        p = prompt(i) if i < n_prompts else prompt(i)[:rest * BLOCK]
+        s = cache.open(p)
+        cache.mark_computed(s)
+        cache.close(s)
+    fill_s = time.perf_counter() - t0
+    gc.collect()
+    gc.freeze()                                   # the cache's objects never get rescanned
+    cached = cache.stats()["cached_blocks"]
+    assert cached == n_blocks == cache.stats()["tiers"]["gpu"]["used_blocks"], cached
+    root = cache.hasher.root(None)[0]
+    floor_index = dict(cache.index)               # the same N keys, in a plain dict
+    lru = OrderedDict.fromkeys(cache.index, True)
+    rng = random.Random(seed)
+    k = min(sample, n_prompts)
+
+    # hits: random cached prompts; the same ones for ours and the floor
+    hit_prompts = [prompt(rng.randrange(n_prompts)) for _ in range(k)]
+    hit_keys = [key for p in hit_prompts for key in chain_keys(root, p)]
+    run_ours(cache, hit_prompts[:8], check=False)          # warm up
+    ours_hit, floor_hit, get_hit, lru_hit = [], [], [], []
+    for _ in range(repeats):
+        ours_hit.append(run_ours(cache, hit_prompts))
+        floor_hit.append(run_floor(floor_index, root, hit_prompts))
+        get_hit.append(run_dict_get(floor_index, hit_keys))
+        lru_hit.append(run_lru_dict(lru, root, hit_prompts))
+
+    # misses: prompts never seen before; each evicts 64 blocks (the tier is full)
+    next_new = n_prompts + 2
+    run_ours(cache, [prompt(next_new + j) for j in range(4)], check=False)     # warm up
+    next_new += 4
+    ours_miss, floor_miss, get_miss, lru_miss = [], [], [], []
+    for _ in range(repeats):
+        new = [prompt(next_new + j) for j in range(k)]
+        next_new += k
+        new_keys = [key for p in new for key in chain_keys(root, p)]
+        floor_miss.append(run_floor(floor_index, root, new))
+        get_miss.append(run_dict_get(floor_index, new_keys))
+        lru_miss.append(run_lru_dict(lru, root, new))
+        ours_miss.append(run_ours(cache, new))
+    s = cache.stats()
+    assert s["tiers"]["gpu"]["evictions"] >= repeats * k * PROMPT_BLOCKS
+    assert s["cached_blocks"] == cached
+    rss = psutil.Process(os.getpid()).memory_info().rss
+    gc.unfreeze()
+    gc.enable()
+
+    blocks = k * PROMPT_BLOCKS
+    rows = []
+    for workload, ours, floor, get, lru_t in (
+            ("hit", ours_hit, floor_hit, get_hit, lru_hit),
+            ("miss", ours_miss, floor_miss, get_miss, lru_miss)):
+        ours_ns, floor_ns = min(ours) / blocks * 1e9, min(floor) / blocks * 1e9
+        lru_ns = min(lru_t) / blocks * 1e9
+        rows.append({
+            "cached_blocks": cached, "workload": workload,
+            "ours_ns_per_block": round(ours_ns, 1),
+            "floor_ns_per_block": round(floor_ns, 1),
+            "dict_get_ns_per_block": round(min(get) / blocks * 1e9, 1),
+            "lru_dict_ns_per_block": round(lru_ns, 1),
+            "ratio": round(ours_ns / floor_ns, 2),
+            "ratio_vs_lru_dict": round(ours_ns / lru_ns, 2),
+            "ours_median_ns_per_block": round(sorted(ours)[len(ours) // 2] / blocks * 1e9, 1),
+            "timed_blocks": blocks, "repeats": repeats,
+            "fill_s": round(fill_s, 2), "rss_mib": round(rss / 2**20),
+        })
+    del cache, floor_index, lru
+    gc.collect()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="10^3 .. 10^5 cached blocks only")
+    ap.add_argument("--sizes", type=int, nargs="*", help="cached block counts (override)")
+    ap.add_argument("--sample", type=int, default=100, help="prompts per timed loop")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="results/control_plane.json")
+    args = ap.parse_args(argv)
+    sizes = args.sizes or ([10**3, 10**4, 10**5] if args.quick
+                           else [10**3, 10**4, 10**5, 10**6])
+
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for n in sizes:
+        rows.extend(measure(n, args.sample, args.repeats, args.seed))
+    columns = ["cached_blocks", "workload", "ours_ns_per_block", "floor_ns_per_block", "ratio",
+               "dict_get_ns_per_block", "lru_dict_ns_per_block", "ratio_vs_lru_dict", "rss_mib"]
+    print_table(rows, columns, title="control plane: ns per block, best of "
+                f"{args.repeats} (open + mark_computed + close vs chained xxh3-128 + dict.get)")
+
+    # Targets, as measured.
+    worst_ratio = max(r["ratio"] for r in rows)
+    within_4x = worst_ratio <= 4.0
+    flat, floor_flat = {}, {}
+    for workload in ("hit", "miss"):
+        big = [r for r in rows if r["workload"] == workload and r["cached_blocks"] >= 10**4]
+        ours = [r["ours_ns_per_block"] for r in big]
+        floor = [r["floor_ns_per_block"] for r in big]
+        flat[workload] = round(max(ours) / min(ours), 3) if len(big) >= 2 else None
+        floor_flat[workload] = round(max(floor) / min(floor), 3) if len(big) >= 2 else None
+    flat_ok = all(v is not None and v <= 1.2 for v in flat.values())
+    has_range = any(r["cached_blocks"] >= 10**6 for r in rows) and any(
+        r["cached_blocks"] <= 10**4 for r in rows)
+    print(f"\nwithin 4x of the floor: {'MET' if within_4x else 'NOT MET'} "
+          f"(worst ratio {worst_ratio:.2f})")
+    span = "10^4..10^6" if has_range else "10^4..max measured (run without --quick for 10^6)"
+    print(f"flat within 20% over {span}: {'MET' if flat_ok else 'NOT MET'} "
+          f"(max/min ours: hit {flat['hit']}, miss {flat['miss']}; the floor itself: "
+          f"hit {floor_flat['hit']}, miss {floor_flat['miss']})")
+    print(f"total {time.perf_counter() - t0:.1f} s")
+
+    payload = {
+        "benchmark": "control_plane",
+        "description": "ns per block of open + mark_computed + close (storage: none, block_size"
+                       " 16, 64-block prompts, LRU, device tier of exactly N blocks) vs a floor "
+                       "of chained xxh3-128 + dict.get over the same keys",
+        "rows": rows,
+        "targets": {
+            "within_4x_of_floor": {"met": within_4x, "worst_ratio": worst_ratio},
+            "flat_within_20pct_1e4_to_1e6": {"met": flat_ok if has_range else None,
+                                              "max_over_min": flat,
+                                              "floor_max_over_min": floor_flat,
+                                              "sizes_measured": sizes},
+        },
+        "args": vars(args),
+        "environment": environment(),
+    }
+    write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

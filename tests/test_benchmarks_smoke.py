@@ -1,0 +1,90 @@
+"""Smoke tests of the benchmarks: each runs with `--quick` in a subprocess, exits 0, prints its
+table and writes JSON with the keys that reports read. Numbers are not checked (CI machines are
+noisy); only that every measurement is there and sane."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "benchmarks"
+
+
+def run_bench(name: str, tmp_path: Path, *extra: str, timeout: float = 90.0):
+    out = tmp_path / "results" / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick", "--out", str(out), *extra],
+        cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (f"{name} exited {proc.returncode}\n--- stdout\n"
+                                  f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    assert out.exists(), f"{name} did not write {out}"
+    return json.loads(out.read_text()), proc.stdout
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_migration_quick(tmp_path):
+    data, stdout = run_bench("migration", tmp_path)
+    assert "migration bandwidth vs one contiguous copy_" in stdout
+    assert data["benchmark"] == "migration" and data["quick"] is True
+    geo = data["geometry"]
+    assert {"num_layers", "full_num_layers", "layers_scaled_down", "block_bytes",
+            "note"} <= set(geo)
+    assert geo["num_kv_heads"] == 8 and geo["head_dim"] == 128 and geo["block_size"] == 16
+    assert isinstance(data["all_meet_target"], bool)
+    rows = data["rows"]
+    for r in rows:
+        assert {"case", "direction", "level", "blocks", "MiB", "ours_GBps", "copy__GBps",
+                "ratio", "meets_0.9"} <= set(r), r
+        assert _positive(r["ours_GBps"]) and _positive(r["copy__GBps"]) and _positive(r["ratio"])
+    kernel = {(r["direction"], r["slots"]) for r in rows if r["level"] == "kernel"}
+    assert kernel >= {("to_host", "contiguous"), ("to_host", "scattered"),
+                      ("to_device", "contiguous"), ("to_device", "scattered")}
+    e2e = [r for r in rows if r["level"] == "e2e"]
+    assert {r["direction"] for r in e2e} == {"to_host", "to_device"}
+    for run in data["e2e_runs"]:
+        assert run["demoted"] > 0 and run["promoted"] == run["demoted"]
+        assert _positive(run["demote_s"]) and _positive(run["promote_s"])
+        assert {"p50_s", "p99_s", "max_s"} <= set(run["lock_hold_demotion"])
+
+
+def test_compaction_quick(tmp_path):
+    data, stdout = run_bench("compaction", tmp_path, "--check")
+    assert "lock holds" in stdout
+    assert data["benchmark"] == "compaction" and data["blocks"] == 10**5
+    assert set(data["meets"]) == {"p99", "max"}
+    on, base = data["online"], data["baseline"]
+    setup = on["setup"]
+    assert _positive(setup["fill_s"]) and setup["live_blocks"] > 0
+    assert on["fragmentation_before"] > 0.5            # heavily fragmented to start with
+    assert on["fragmentation_after"] < on["fragmentation_before"]
+    assert on["blocks_moved"] > 0 and _positive(on["time_s"])
+    for key in ("p50_ms", "p99_ms", "max_ms", "holds"):
+        assert key in on["lock"] and key in base["lock"]
+    assert on["lock"]["holds"] > 0 and on["lock"]["p50_ms"] <= on["lock"]["max_ms"]
+    assert "tc-compactor" in on["lock"]["by_thread"]
+    assert base["blocks_moved"] > 0 and _positive(base["pause_s"])
+    assert base["fragmentation_after"] < base["fragmentation_before"]
+    # The stop-the-world pause is one hold: it is the longest of its window.
+    assert base["lock"]["max_ms"] >= base["pause_s"] * 1e3 * 0.99
+
+
+def test_common_helpers(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    try:
+        import common
+    finally:
+        sys.path.remove(str(BENCH))
+    t = common.time_it(lambda: None, warmup=1, repeats=3)
+    assert t["repeats"] == 3 and 0 <= t["min_s"] <= t["median_s"] <= t["max_s"]
+    assert common.quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and common.quantile([], 0.9) == 0.0
+    text = common.print_table([{"a": 1, "b": 2.5}, {"a": 10, "c": "x"}], title="T")
+    assert "T" in capsys.readouterr().out and text.splitlines()[1].split() == ["a", "b", "c"]
+    path = common.write_json(tmp_path / "deep" / "r.json", {"x": 1.0})
+    assert json.loads(path.read_text()) == {"x": 1.0}
