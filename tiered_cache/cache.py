@@ -637,13 +637,36 @@ class TieredKVCache:
                         self._set_slot(v, below, dst)
                 if v.slots[t] == NO_SLOT:       # dropped by the lower tier's eviction
                     continue
-                self._clear_slot(v, t)
                 tier.evictions += 1
+                if not v.children and v.ref_count == 0 and v.in_flight == 0 and \
+                        v.slots.count(NO_SLOT) == len(v.slots) - 1:
+                    self._drop_leaf(v, t)       # the common case, in one step
+                    continue
+                self._clear_slot(v, t)
                 if v.fastest_tier() < 0:
                     self.counters["dropped_blocks"] += self._drop_subtree(v)
         finally:
             if reserve:
                 self.tiers[below].allocator.free(reserve)
+
+    def _drop_leaf(self, v: Block, t: int) -> None:
+        """Drop a published, unpinned, childless block whose only copy is in tier t: what
+        _clear_slot + _drop_subtree + _release do, without their general bookkeeping."""
+        tier = self.tiers[t]
+        slot = v.slots[t]
+        tier.allocator.free_one(slot)
+        tier.owner[slot] = None
+        v.slots[t] = NO_SLOT
+        del self.index[v.key]
+        v.key = None
+        parent = v.parent
+        if parent is not None:
+            del parent.children[v.id]
+            parent.resident_children[t] -= 1
+            self._refresh(parent)
+            v.parent = None
+        self.counters["dropped_blocks"] += 1
+        self._spare.append(v)
 
     def _coalesce(self, plan: list[Transfer]) -> list[Transfer]:
         """Pair ascending source slots with ascending destination slots (a permutation of the
