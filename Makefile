@@ -35,7 +35,7 @@ lint: $(STAMP)
 # A wheel built from the repo, installed in a clean venv, must import the mapped subpackages.
 wheel-check: $(STAMP)
 	rm -rf build dist /tmp/tc-wheel-venv
-	$(PY) -m build --wheel --no-isolation -q --outdir dist . >/dev/null
+	$(PY) -m pip wheel -q --no-deps -w dist . >/dev/null
 	python3 -m venv /tmp/tc-wheel-venv
 	/tmp/tc-wheel-venv/bin/pip install -q torch==2.13.0 dist/*.whl
 	cd /tmp && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache; print('wheel ok:', tiered_cache.__file__)"
