@@ -56,6 +56,21 @@ def check_data(cache: TieredKVCache, seq, tokens: list[int]) -> None:
         assert torch.equal(k, ek) and torch.equal(v, ev), f"layer {layer} data differs"
 
 
+def cache_prompt(cache: TieredKVCache, tokens: list[int]) -> None:
+    seq = cache.open(tokens)
+    fill(cache, seq, tokens)
+    cache.close(seq)
+
+
+def push_to_host(cache: TieredKVCache, prompt: list[int], others: int, base: int) -> None:
+    """Cache `prompt`, then enough other prompts of its length to push it out of the device
+    tier, and wait for the migrator to settle."""
+    cache_prompt(cache, prompt)
+    for p in range(others):
+        cache_prompt(cache, [base + p * 100 + i for i in range(len(prompt))])
+    settle(cache)
+
+
 def settle(cache: TieredKVCache) -> None:
     cache.migrator.drain()
     time.sleep(0.05)
@@ -94,15 +109,7 @@ def _slow(kind_to_slow: str, delay: float):
 def test_promotion_lands_layer_by_layer_and_readers_wake_per_layer():
     cache = make(8, 40, migrator={"promotion_chunk_bytes": 0})   # one layer per copy
     prompt = list(range(4 * BS))
-    seq = cache.open(prompt)
-    fill(cache, seq, prompt)
-    cache.close(seq)
-    for p in range(3):                                         # push the prompt to host
-        other = [5000 + p * 100 + i for i in range(4 * BS)]
-        s = cache.open(other)
-        fill(cache, s, other)
-        cache.close(s)
-    settle(cache)
+    push_to_host(cache, prompt, others=3, base=5000)
     cache.migrator.fault_hook = _slow("promotion", 0.3)
     seq = cache.open(prompt)
     assert seq.num_cached_tokens == len(prompt) and seq.cached_tokens_by_tier["host"] >= BS
@@ -130,15 +137,7 @@ def test_promotion_lands_layer_by_layer_and_readers_wake_per_layer():
 def test_wait_timeout_raises_clearly():
     cache = make(8, 40, migrator={"wait_timeout_s": 0.05, "promotion_chunk_bytes": 0})
     prompt = list(range(2 * BS))
-    seq = cache.open(prompt)
-    fill(cache, seq, prompt)
-    cache.close(seq)
-    for p in range(4):
-        other = [7000 + p * 100 + i for i in range(2 * BS)]
-        s = cache.open(other)
-        fill(cache, s, other)
-        cache.close(s)
-    settle(cache)
+    push_to_host(cache, prompt, others=4, base=7000)
     cache.migrator.fault_hook = _slow("promotion", 0.5)
     seq = cache.open(prompt)
     if seq.pending:
@@ -184,15 +183,7 @@ def test_failed_demotion_keeps_block_valid_and_is_counted():
 def test_failed_promotion_raises_and_host_copy_stays_valid():
     cache = make(8, 40, migrator={"max_retries": 0})
     prompt = list(range(2 * BS))
-    seq = cache.open(prompt)
-    fill(cache, seq, prompt)
-    cache.close(seq)
-    for p in range(4):
-        other = [3000 + p * 100 + i for i in range(2 * BS)]
-        s = cache.open(other)
-        fill(cache, s, other)
-        cache.close(s)
-    settle(cache)
+    push_to_host(cache, prompt, others=4, base=3000)
 
     def fail(kind: str, attempt: int) -> None:
         if kind == "promotion":
@@ -255,17 +246,10 @@ def test_compaction_reduces_fragmentation_and_keeps_data():
 def test_shutdown_with_copies_in_flight_loses_nothing():
     cache = make(8, 40)
     prompt = list(range(2 * BS))
-    seq = cache.open(prompt)
-    fill(cache, seq, prompt)
-    cache.close(seq)
-    for p in range(4):
-        other = [4000 + p * 100 + i for i in range(2 * BS)]
-        s = cache.open(other)
-        fill(cache, s, other)
-        cache.close(s)
-    settle(cache)
+    push_to_host(cache, prompt, others=4, base=4000)
     cache.migrator.fault_hook = _slow("promotion", 0.05)
     seq = cache.open(prompt)
+    assert seq.pending                                         # a promotion is in flight
     cache.shutdown()                                           # finishes the promotion
     assert not cache.open_sequences()
     check_invariants(cache)
