@@ -46,7 +46,8 @@ def ids(blocks: list[Block]) -> list[int]:
 
 
 def test_registry_names_all_policies():
-    assert set(POLICIES) == {"lru", "lfu", "cost_aware", "s3fifo", "arc"}
+    assert set(POLICIES) == {"lru", "lfu", "cost_aware", "s3fifo", "arc", "belady",
+                             "reuse_credit"}
     for name, cls in POLICIES.items():
         assert resolve(name) is cls
         assert cls.name == name
@@ -524,3 +525,26 @@ def test_priority_heap_sheds_stale_entries_without_a_full_rebuild():
     out = p.victims(5000)
     assert [b.last_access for b in out] == sorted(b.last_access for b in blocks)
     assert len(p) == 0
+
+
+
+@pytest.mark.parametrize("name", ["s3fifo", "arc"])
+def test_ghosts_remember_content_not_block_objects(name):
+    """Evicted content comes back as a new Block (new id, same key): the ghost must hit."""
+    from tiered_cache.policies import POLICIES as registry
+
+    p = registry[name](4)
+    first = mk(1)
+    first.key = b"k" * 16
+    p.insert(first)
+    assert p.victims(1) == [first]                      # evicted: remembered as a ghost
+    again = mk(2)
+    again.key = b"k" * 16                               # same content, new block
+    p.insert(again)
+    # A ghost hit admits straight to the frequency side: S3-FIFO's main queue, ARC's T2.
+    frequent = p._main if name == "s3fifo" else p._t2
+    assert again.id in frequent
+    stranger = mk(3)
+    stranger.key = b"o" * 16
+    p.insert(stranger)
+    assert stranger.id not in frequent                  # no history: probation / T1

@@ -7,9 +7,11 @@ import importlib
 from tiered_cache.errors import ConfigError
 from tiered_cache.policies.arc import ARCPolicy
 from tiered_cache.policies.base import CachePolicy, PriorityPolicy
+from tiered_cache.policies.belady import BeladyPolicy
 from tiered_cache.policies.cost_aware import CostAwarePolicy
 from tiered_cache.policies.lfu import LFUPolicy
 from tiered_cache.policies.lru import LRUPolicy
+from tiered_cache.policies.reuse_credit import ReuseCreditPolicy
 from tiered_cache.policies.s3fifo import S3FIFOPolicy
 
 POLICIES: dict[str, type[CachePolicy]] = {
@@ -18,6 +20,8 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "cost_aware": CostAwarePolicy,
     "s3fifo": S3FIFOPolicy,
     "arc": ARCPolicy,
+    "belady": BeladyPolicy,
+    "reuse_credit": ReuseCreditPolicy,
 }
 
 
@@ -43,4 +47,5 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
 
 
 __all__ = ["CachePolicy", "PriorityPolicy", "POLICIES", "resolve", "LRUPolicy", "LFUPolicy",
-           "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy"]
+           "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy", "BeladyPolicy",
+           "ReuseCreditPolicy"]

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 from tiered_cache.block import Block
 from tiered_cache.policies.base import CachePolicy
-from tiered_cache.policies.s3fifo import Parked
+from tiered_cache.policies.s3fifo import Parked, ghost_id
 
 # Where a block goes when it (re)joins the candidate set. NEW_HIT: never a candidate here yet,
 # but already reused (hit while pinned from birth), so it is frequent, not recent.
@@ -47,8 +47,8 @@ class ARCPolicy(CachePolicy):
         self.p = 0.0
         self._t1: OrderedDict[int, Block] = OrderedDict()   # LRU first, MRU last
         self._t2: OrderedDict[int, Block] = OrderedDict()
-        self._b1: OrderedDict[int, None] = OrderedDict()
-        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[bytes | int, None] = OrderedDict()
+        self._b2: OrderedDict[bytes | int, None] = OrderedDict()
         self._parked = Parked(capacity_blocks)
 
     def insert(self, block: Block) -> None:
@@ -58,13 +58,14 @@ class ARCPolicy(CachePolicy):
         where = self._parked.pop(block)
         if where is None or where in (NEW, NEW_HIT):
             # The block enters the tier: an ARC miss. A ghost hit adapts p.
-            if bid in self._b1:
+            gid = ghost_id(block)
+            if gid in self._b1:
                 self.p = min(float(self.c), self.p + max(1.0, len(self._b2) / len(self._b1)))
-                del self._b1[bid]
+                del self._b1[gid]
                 where = T2
-            elif bid in self._b2:
+            elif gid in self._b2:
                 self.p = max(0.0, self.p - max(1.0, len(self._b1) / len(self._b2)))
-                del self._b2[bid]
+                del self._b2[gid]
                 where = T2
             else:
                 where = T2 if where == NEW_HIT else T1
@@ -97,13 +98,15 @@ class ARCPolicy(CachePolicy):
         t1, t2 = self._t1, self._t2
         while len(out) < n and (t1 or t2):
             if t1 and (len(t1) > self.p or not t2):
-                bid, block = t1.popitem(last=False)
-                self._b1[bid] = None
-                self._b1.move_to_end(bid)
+                _, block = t1.popitem(last=False)
+                gid = ghost_id(block)
+                self._b1[gid] = None
+                self._b1.move_to_end(gid)
             else:
-                bid, block = t2.popitem(last=False)
-                self._b2[bid] = None
-                self._b2.move_to_end(bid)
+                _, block = t2.popitem(last=False)
+                gid = ghost_id(block)
+                self._b2[gid] = None
+                self._b2.move_to_end(gid)
             out.append(block)
             self._trim_ghosts()
         return out

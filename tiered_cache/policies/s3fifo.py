@@ -15,6 +15,15 @@ from tiered_cache.policies.base import CachePolicy
 NEW, SMALL, MAIN = 0, 1, 2
 
 
+def ghost_id(block: Block) -> bytes | int:
+    """What a ghost remembers: the block's content key.
+
+    NOTE: not `block.id`: evicted content comes back as a new Block with a new id, so ghosts
+    keyed by id would never hit. Unpublished blocks (tests) fall back to the id.
+    """
+    return block.key if block.key is not None else block.id
+
+
 class Parked:
     """Per-block policy state of blocks that left the candidate set, keyed by `block.id`.
 
@@ -91,7 +100,7 @@ class S3FIFOPolicy(CachePolicy):
         self._small: OrderedDict[int, Block] = OrderedDict()   # oldest first
         self._main: OrderedDict[int, Block] = OrderedDict()    # oldest first
         self._freq: dict[int, int] = {}                        # candidates only
-        self._ghost: OrderedDict[int, None] = OrderedDict()    # ids evicted from S, oldest first
+        self._ghost: OrderedDict[bytes | int, None] = OrderedDict()  # evicted from S, oldest first
         self._parked = Parked(capacity_blocks)                 # id -> (queue, freq)
 
     def insert(self, block: Block) -> None:
@@ -101,8 +110,9 @@ class S3FIFOPolicy(CachePolicy):
         state = self._parked.pop(block)
         queue, freq = state if state is not None else (NEW, 0)
         if queue == NEW:
-            if bid in self._ghost:     # evicted from S too early last time: admit to M
-                del self._ghost[bid]
+            gid = ghost_id(block)
+            if gid in self._ghost:     # evicted from S too early last time: admit to M
+                del self._ghost[gid]
                 queue = MAIN
             else:
                 queue = SMALL
@@ -143,8 +153,9 @@ class S3FIFOPolicy(CachePolicy):
                     continue
                 del freq[bid]
                 out.append(block)
-                self._ghost[bid] = None
-                self._ghost.move_to_end(bid)
+                gid = ghost_id(block)
+                self._ghost[gid] = None
+                self._ghost.move_to_end(gid)
                 if len(self._ghost) > self.ghost_limit:
                     self._ghost.popitem(last=False)
             else:
