@@ -25,9 +25,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/control_plane.py
-	$(PY) benchmarks/migration.py
+	$(PY) benchmarks/migration.py --threads 1
 	$(PY) benchmarks/compaction.py
 	$(PY) benchmarks/attention.py
+	$(PY) benchmarks/replay.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
