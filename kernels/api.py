@@ -203,20 +203,15 @@ def paged_decode_attention(
     )
     sc = _scale(scale, geom.head_dim)
     _check_out(out, q)
-    if _triton_ready(backend, q.device) and q.dtype != torch.float64:
-        views = _visible(backend, q.device, [
-            ("k_pools[1]", kp[1]), ("v_pools[1]", vp[1]),
-            ("k_scales[1]", ks[1] if ks else None), ("v_scales[1]", vs[1] if vs else None),
-        ])
-        if views is not None:
-            from .decode import paged_decode_triton
+    triton_inputs = _triton_inputs(backend, q, kp, vp, ks, vs)
+    if triton_inputs is not None:
+        from .decode import paged_decode_triton
 
-            return paged_decode_triton(
-                q, (kp[0], views[0]), (vp[0], views[1]), bt, _tiers(tiers), lens, scale=sc,
-                k_scales=(ks[0], views[2]) if ks else None,
-                v_scales=(vs[0], views[3]) if vs else None,
-                num_splits=num_splits, interpreted=_kernels_interpreted(), out=out,
-            )
+        k2, v2, ks2, vs2 = triton_inputs
+        return paged_decode_triton(
+            q, k2, v2, bt, _tiers(tiers), lens, scale=sc, k_scales=ks2, v_scales=vs2,
+            num_splits=num_splits, interpreted=_kernels_interpreted(), out=out,
+        )
     res = reference.paged_decode(
         q, kp, vp, bt, tiers, lens, scale=sc, k_scales=ks, v_scales=vs, num_splits=num_splits
     )
@@ -269,22 +264,32 @@ def prefill_attention(
     )
     sc = _scale(scale, geom.head_dim)
     _check_out(out, q)
-    if _triton_ready(backend, q.device) and q.dtype != torch.float64:
-        views = _visible(backend, q.device, [
-            ("k_pools[1]", kp[1]), ("v_pools[1]", vp[1]),
-            ("k_scales[1]", ks[1] if ks else None), ("v_scales[1]", vs[1] if vs else None),
-        ])
-        if views is not None:
-            from .prefill import prefill_triton
+    triton_inputs = _triton_inputs(backend, q, kp, vp, ks, vs)
+    if triton_inputs is not None:
+        from .prefill import prefill_triton
 
-            return prefill_triton(
-                q, (kp[0], views[0]), (vp[0], views[1]), bt, _tiers(tier), seq_len, scale=sc,
-                k_scales=(ks[0], views[2]) if ks else None,
-                v_scales=(vs[0], views[3]) if vs else None,
-                interpreted=_kernels_interpreted(), out=out,
-            )
+        k2, v2, ks2, vs2 = triton_inputs
+        return prefill_triton(
+            q, k2, v2, bt, _tiers(tier), seq_len, scale=sc, k_scales=ks2, v_scales=vs2,
+            interpreted=_kernels_interpreted(), out=out,
+        )
     res = reference.prefill(q, kp, vp, bt, tier, seq_len, scale=sc, k_scales=ks, v_scales=vs)
     return res if out is None else out.copy_(res)
+
+
+def _triton_inputs(backend, q, kp, vp, ks, vs):
+    """(k_pools, v_pools, k_scales, v_scales) with host parts as device-visible views, or None
+    when the Triton path does not apply (torch backend, float64, host memory not visible)."""
+    if not (_triton_ready(backend, q.device) and q.dtype != torch.float64):
+        return None
+    views = _visible(backend, q.device, [
+        ("k_pools[1]", kp[1]), ("v_pools[1]", vp[1]),
+        ("k_scales[1]", ks[1] if ks else None), ("v_scales[1]", vs[1] if vs else None),
+    ])
+    if views is None:
+        return None
+    return ((kp[0], views[0]), (vp[0], views[1]),
+            (ks[0], views[2]) if ks else None, (vs[0], views[3]) if vs else None)
 
 
 def merge_attention_states(
