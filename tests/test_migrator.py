@@ -347,3 +347,44 @@ def keys_of(cache: TieredKVCache, tokens: list[int]) -> list[bytes]:
         key = cache.hasher.key(key, data[i * BS * 4:(i + 1) * BS * 4])
         keys.append(key)
     return keys
+
+
+def test_synchronous_moves_roll_back_a_failed_copy(monkeypatch):
+    """Without the migrator, promotion and write-through run the same plan/commit in line: a
+    failed copy raises TransferError, frees what it reserved and leaves the blocks valid."""
+    from tiered_cache import kernels
+    from tiered_cache.errors import TransferError
+
+    cache = make(8, 40, migrator={"enabled": False}, write_policy="write_through")
+    prompt = list(range(2 * BS))
+    cache_prompt(cache, prompt)
+    for p in range(4):                                          # push the prompt to host
+        cache_prompt(cache, [6000 + p * 100 + i for i in range(2 * BS)])
+    cached = set(cache.index)
+
+    def broken(*args, **kwargs):
+        raise OSError("injected")
+    monkeypatch.setattr(kernels, "copy_blocks_to_gpu", broken)
+    with pytest.raises(TransferError, match="injected"):
+        cache.open(prompt)
+    check_invariants(cache)
+    # Room was made first (blocks that also had a host copy left the device), but nothing
+    # cached was lost and the reserved device slots were given back (invariants: no leak).
+    assert set(cache.index) == cached
+    monkeypatch.undo()
+    seq = cache.open(prompt)                                    # works once copies do
+    assert seq.cached_tokens_by_tier["host"] > 0
+    check_data(cache, seq, prompt)
+    cache.close(seq)
+
+    monkeypatch.setattr(kernels, "copy_blocks_to_host", broken)
+    fresh = [9000 + i for i in range(BS)]
+    seq = cache.open(fresh)
+    with pytest.raises(TransferError, match="injected"):
+        fill(cache, seq, fresh)                                 # write-through copy fails
+    monkeypatch.undo()
+    check_invariants(cache)
+    check_data(cache, seq, fresh)                               # the device copy is intact
+    cache.close(seq)
+    check_invariants(cache)
+    cache.shutdown()

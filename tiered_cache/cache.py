@@ -27,7 +27,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tiered_cache import policies
+from tiered_cache import moves, policies
 from tiered_cache.allocator import SlotAllocator
 from tiered_cache.block import NO_SLOT, Block
 from tiered_cache.config import CacheConfig
@@ -215,9 +215,13 @@ class TieredKVCache:
             if self.migrator is not None:
                 self.migrator.promote(promote, slots[:len(promote)])
             else:
-                self._promote(promote, slots[:len(promote)])
+                self._move_now(moves.plan_promotion, moves.commit_promotion, promote,
+                               slots[:len(promote)], None)
         except BaseException:
-            self.tiers[GPU].allocator.free(slots)
+            # A failed promotion's commit already released its device slots.
+            gpu = self.tiers[GPU]
+            gpu.allocator.free([s for s in slots
+                                if not gpu.allocator.is_free(s) and gpu.owner[s] is None])
             for b in matched:
                 self._unpin(b)
             raise
@@ -520,23 +524,8 @@ class TieredKVCache:
             if self.migrator is not None:
                 self.migrator.copy_down(fresh)
             else:
-                self._copy_down(fresh)
-
-    def _copy_down(self, blocks: list[Block]) -> None:
-        """write_through: give freshly published blocks a host copy now, so that evicting them
-        from the device later costs no copy. Skipped (write_back behaviour) when host is full
-        of pinned blocks."""
-        blocks = [b for b in blocks if b.slots[HOST] == NO_SLOT]
-        n = min(len(blocks), self._room(HOST))
-        if n == 0:
-            return
-        blocks = blocks[:n]
-        slots = self._allocate(HOST, n)
-        plan = [Transfer(b, GPU, b.slots[GPU], HOST, s) for b, s in zip(blocks, slots)]
-        self._run(plan, free_on_error=(HOST, slots))
-        for b, s in zip(blocks, slots):
-            self._set_slot(b, HOST, s)
-        self.counters["write_through_blocks"] += n
+                # write_through: a host copy now, so evicting the block later costs no copy.
+                self._move_now(moves.plan_copy_down, moves.commit_copy_down, fresh)
 
     # ------------------------------------------------------------------ tiers and slots
     def _room(self, t: int) -> int:
@@ -698,26 +687,23 @@ class TieredKVCache:
             if v.fastest_tier() < 0:
                 self.counters["dropped_blocks"] += self._drop_subtree(v)
 
-    def _promote(self, blocks: list[Block], slots: list[int]) -> None:
-        """Copy host-resident blocks into reserved device slots (synchronously)."""
-        if not blocks:
-            return
-        plan = [Transfer(b, b.fastest_tier(), b.slots[b.fastest_tier()], GPU, s)
-                for b, s in zip(blocks, slots)]
-        self._run(plan)
-        for b, s in zip(blocks, slots):
-            self._set_slot(b, GPU, s)
-        self.counters["promotions"] += len(blocks)
-        self.counters["promotion_bytes"] += len(blocks) * self.block_bytes
+    def _move_now(self, plan_fn, commit_fn, *args) -> None:
+        """A background move run synchronously (no migrator): the same plan and commit from
+        tiered_cache.moves, with the copy in between; a failed copy is rolled back."""
+        plan = plan_fn(self, *args)
+        try:
+            self._run(plan)
+        except TransferError:
+            commit_fn(self, plan, False)
+            raise
+        commit_fn(self, plan, True)
 
-    def _run(self, plan: list[Transfer], free_on_error: tuple[int, list[int]] | None = None):
+    def _run(self, plan: list[Transfer]) -> None:
         if not self.has_storage or not plan:
             return
         try:
             execute(plan, [t.pool for t in self.tiers])
         except Exception as exc:
-            if free_on_error is not None:
-                self.tiers[free_on_error[0]].allocator.free(free_on_error[1])
             raise TransferError(f"copy of {len(plan)} blocks failed: {exc}") from exc
 
     def _set_slot(self, b: Block, t: int, slot: int) -> None:
