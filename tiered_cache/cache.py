@@ -388,13 +388,13 @@ class TieredKVCache:
         _check_salt(salt)
         with self._lock:
             root, root_id = self.hasher.root(salt, adapter_id)
-            if len(tokens) < self.block_size:
+            probe = Sequence(id(self), root, tokens[:self.block_size], self.num_layers, salt,
+                             adapter_id)
+            probe.root_id = root_id
+            matched = self._match(probe)        # the same verified lookup open() uses
+            if not matched:
                 return 0
-            first = self.index.get(self.hasher.key(root, tokens[:self.block_size].tobytes()))
-            if first is None or not self._verify(first, None, root_id,
-                                                 tokens[:self.block_size].tobytes()):
-                return 0
-            n = self._drop_subtree(first)
+            n = self._drop_subtree(matched[0])
             self.counters["invalidated_blocks"] += n
             return n
 
@@ -462,11 +462,6 @@ class TieredKVCache:
             matched.append(b)
             parent = b
         return matched
-
-    def _verify(self, b: Block, parent: Block | None, root_id: int, chunk: bytes) -> bool:
-        if b.parent is not parent or (parent is None and b.root_id != root_id):
-            return False
-        return not self.verify_tokens or b.tokens == chunk
 
     # ------------------------------------------------------------------ publishing
     def _publish_ready(self, seq: Sequence) -> None:
