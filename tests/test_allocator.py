@@ -21,8 +21,10 @@ from tiered_cache.allocator import SlotAllocator
 from tiered_cache.errors import CapacityError
 
 
-def check_invariants(a: SlotAllocator, free: set[int] | None = None) -> None:
-    """Internal consistency; with `free`, also agreement with a reference set of free slots."""
+def check_invariants(a: SlotAllocator, free: set[int] | None = None,
+                     retired: set[int] = frozenset()) -> None:
+    """Internal consistency; with `free`, also agreement with a reference set of free slots
+    (and `retired`: free slots above a shrink's limit, which no run holds)."""
     n = a.num_slots
     runs = a.runs()
     covered: set[int] = set()
@@ -33,10 +35,11 @@ def check_invariants(a: SlotAllocator, free: set[int] | None = None) -> None:
     for (s1, l1), (s2, _) in pairwise(runs):
         assert s1 + l1 < s2, f"runs {s1}+{l1} and {s2} should have been merged"
     assert sum(length for _, length in runs) == len(covered) == a.num_free
-    assert a.num_used == n - a.num_free
+    assert all(s < a.capacity for s in covered)
+    assert a.num_used == n - a.num_free - a._retired
     assert len(a._free) == n
     for s in range(n):
-        assert a.is_free(s) == (s in covered)
+        assert a.is_free(s) == (s in covered or s >= a.capacity and bool(a._free[s]))
     assert {a._run_at_end[s + length]: length for s, length in runs} == dict(runs)
     assert len(a._run_at_end) == len(runs)
     # Bins agree with runs: each run is in exactly the bin of its length; the mask marks the
@@ -51,7 +54,8 @@ def check_invariants(a: SlotAllocator, free: set[int] | None = None) -> None:
     assert binned == {s: length.bit_length() - 1 for s, length in runs}
     if free is not None:
         assert covered == free
-        used = set(range(n)) - free
+        assert {s for s in range(a.capacity, n) if a._free[s]} == retired
+        used = set(range(n)) - free - retired
         assert a.highest_used() == (max(used) if used else None)
         assert a.lowest_free() == (min(free) if free else None)
 
@@ -295,7 +299,9 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.a = SlotAllocator(0)
-        self.free: set[int] = set()
+        self.free: set[int] = set()     # allocatable free slots
+        self.retired: set[int] = set()  # free slots at or above a shrink's limit
+        self.limit: int | None = None   # a shrink under way
         self.n = 0
 
     @initialize(n=st.integers(0, 64))
@@ -316,20 +322,26 @@ class AllocatorMachine(RuleBasedStateMachine):
         got = self.a.allocate(n, hint=hint)
         assert len(got) == len(set(got)) == n
         assert set(got) <= self.free
+        assert self.limit is None or all(s < self.limit for s in got)
         if hinted and n:
             assert got[0] == hint
         self.free -= set(got)
 
     @rule(data=st.data())
     def free_some(self, data: st.DataObject) -> None:
-        used = sorted(set(range(self.n)) - self.free)
+        used = sorted(set(range(self.n)) - self.free - self.retired)
         batch = data.draw(st.lists(st.sampled_from(used), unique=True) if used else st.just([]))
-        self.a.free(batch)
-        self.free |= set(batch)
+        if data.draw(st.booleans()) and len(batch) == 1:
+            self.a.free_one(batch[0])
+        else:
+            self.a.free(batch)
+        limit = self.n if self.limit is None else self.limit
+        self.free |= {s for s in batch if s < limit}
+        self.retired |= {s for s in batch if s >= limit}
 
     @rule(slot=st.integers(-1, 65))
     def bad_free(self, slot: int) -> None:
-        if 0 <= slot < self.n and slot not in self.free:
+        if 0 <= slot < self.n and slot not in self.free | self.retired:
             batch = [slot, slot]  # duplicate within the call
         else:
             batch = [slot]  # double free or out of range
@@ -350,6 +362,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.n < 64)
     @rule(k=st.integers(0, 8))
     def grow(self, k: int) -> None:
+        if self.limit is not None:
+            with pytest.raises(ValueError, match="shrink is under way"):
+                self.a.grow(k)
+            return
         self.a.grow(k)
         self.free |= set(range(self.n, self.n + k))
         self.n += k
@@ -357,7 +373,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 10))
     def shrink(self, k: int) -> None:
         tail = set(range(self.n - k, self.n))
-        if k <= self.n and tail <= self.free:
+        if self.limit is None and k <= self.n and tail <= self.free:
             self.a.shrink(k)
             self.free -= tail
             self.n -= k
@@ -367,11 +383,48 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.shrink(k)
             assert self.a.runs() == before
 
+    @precondition(lambda self: self.limit is None)
+    @rule(k=st.integers(0, 10))
+    def begin_shrink(self, k: int) -> None:
+        if k > self.n:
+            with pytest.raises(ValueError):
+                self.a.begin_shrink(self.n - k)
+            return
+        self.a.begin_shrink(self.n - k)
+        if k == 0:
+            assert not self.a.shrinking         # a shrink to the same size is a no-op
+            return
+        self.limit = self.n - k
+        self.retired = {s for s in self.free if s >= self.limit}
+        self.free -= self.retired
+
+    @precondition(lambda self: self.limit is not None)
+    @rule()
+    def finish_shrink(self) -> None:
+        if len(self.retired) < self.n - self.limit:
+            assert not self.a.drained()
+            with pytest.raises(ValueError, match="is in use"):
+                self.a.finish_shrink()
+            return
+        assert self.a.drained()
+        self.a.finish_shrink()
+        self.n, self.limit, self.retired = self.limit, None, set()
+
+    @precondition(lambda self: self.limit is not None)
+    @rule()
+    def cancel_shrink(self) -> None:
+        self.a.cancel_shrink()
+        self.free |= self.retired
+        self.limit, self.retired = None, set()
+
     @invariant()
     def consistent(self) -> None:
         assert self.a.num_slots == self.n
+        assert self.a.capacity == (self.n if self.limit is None else self.limit)
         assert self.a.num_free == len(self.free)
-        check_invariants(self.a, self.free)
+        assert self.a.draining == (0 if self.limit is None
+                                   else self.n - self.limit - len(self.retired))
+        check_invariants(self.a, self.free, self.retired)
 
 
 AllocatorMachine.TestCase.settings = settings(

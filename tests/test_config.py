@@ -177,6 +177,17 @@ def test_gpu_needs_a_block_host_may_have_none():
         "tiers.host.num_blocks: expected a non-negative integer, got -1")
 
 
+def test_resize_bounds():
+    cfg = CacheConfig.from_dict({"tiers": {"gpu": {"num_blocks": 8, "max_num_blocks": 64,
+                                                   "segment_blocks": 4}}})
+    assert (cfg.tiers.gpu.max_num_blocks, cfg.tiers.gpu.segment_blocks) == (64, 4)
+    assert cfg.tiers.host.max_num_blocks is None and cfg.tiers.host.segment_blocks is None
+    assert error({"tiers": {"gpu": {"num_blocks": 8, "max_num_blocks": 4}}}) == (
+        "tiers.gpu.max_num_blocks: 4 is below num_blocks 8")
+    assert error({"tiers": {"host": {"num_blocks": 8, "segment_blocks": 0}}}) == (
+        "tiers.host.segment_blocks: expected a positive integer, got 0")
+
+
 def test_low_watermark_not_below_high():
     assert error({"migrator": {"high_watermark": 0.8, "low_watermark": 0.8}}) == (
         "migrator.low_watermark: must be below high_watermark (0.8), got 0.8")

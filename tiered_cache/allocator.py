@@ -48,6 +48,10 @@ class SlotAllocator:
         self._run_at_end: dict[int, int] = {}
         self._bins: list[dict[int, None]] = [{}]
         self._bin_mask = 0
+        # Shrinking: slots at or above `_limit` are being drained. They are never handed out;
+        # when freed they are only flagged free and counted in `_retired`, not filed in a run.
+        self._limit = 0
+        self._retired = 0
         self.grow(num_slots)
 
     @property
@@ -55,12 +59,27 @@ class SlotAllocator:
         return self._n
 
     @property
+    def capacity(self) -> int:
+        """Slots the pool offers: num_slots, or the target of a shrink under way."""
+        return self._limit
+
+    @property
     def num_free(self) -> int:
+        """Free slots that can be allocated (drained slots of a shrink are not counted)."""
         return self._num_free
 
     @property
     def num_used(self) -> int:
-        return self._n - self._num_free
+        return self._n - self._num_free - self._retired
+
+    @property
+    def shrinking(self) -> bool:
+        return self._limit < self._n
+
+    @property
+    def draining(self) -> int:
+        """Used slots at or above a shrink's limit (0 when not shrinking)."""
+        return self._n - self._limit - self._retired
 
     def can_allocate(self, n: int) -> bool:
         """Whether `allocate(n)` would succeed."""
@@ -105,7 +124,7 @@ class SlotAllocator:
     def allocate_at(self, slot: int) -> None:
         """Take one specific free slot (the compactor uses it to fill low slots)."""
         slot = self._check_range(slot)
-        if not self._free[slot]:
+        if not self._free[slot] or slot >= self._limit:
             raise ValueError(f"slot {slot} is not free")
         # The run's start is just past the nearest used slot below: a C-level backwards byte scan,
         # O(1) when `slot` starts its run (the usual lowest_free() case), else O(offset in run).
@@ -138,8 +157,11 @@ class SlotAllocator:
                 j += 1
             start, count = batch[i], j - i
             self._free[start : start + count] = b"\x01" * count
-            self._num_free += count
-            self._insert_free(start, count)
+            kept = max(0, min(count, self._limit - start))   # the part below a shrink's limit
+            if kept:
+                self._num_free += kept
+                self._insert_free(start, kept)
+            self._retired += count - kept
             i = j
 
     def free_one(self, slot: int) -> None:
@@ -149,6 +171,9 @@ class SlotAllocator:
         if self._free[slot]:
             raise ValueError(f"slot {slot} is already free (double free)")
         self._free[slot] = 1
+        if slot >= self._limit:
+            self._retired += 1
+            return
         self._num_free += 1
         self._insert_free(slot, 1)
 
@@ -162,7 +187,7 @@ class SlotAllocator:
         NOTE: a memchr over the free flags (C speed, ~30 us per million slots worst case); the
         compactor walks upward with `start`, so a whole step scans each flag at most once.
         """
-        i = self._free.find(1, start)
+        i = self._free.find(1, start, self._limit)
         return None if i < 0 else i
 
     def highest_used_below(self, end: int) -> int | None:
@@ -173,8 +198,10 @@ class SlotAllocator:
     def highest_used(self) -> int | None:
         """Highest allocated slot, or None. O(1): every slot above it is in the run that ends at
         num_slots, if there is one; otherwise it is num_slots - 1."""
-        if self._num_free == self._n:
+        if self.num_used == 0:
             return None
+        if self._limit < self._n:       # shrinking: the tail is not one run any more
+            return self._free.rfind(0)
         tail_start = self._run_at_end.get(self._n)
         return self._n - 1 if tail_start is None else tail_start - 1
 
@@ -197,10 +224,13 @@ class SlotAllocator:
         n = operator.index(n)
         if n < 0:
             raise ValueError(f"cannot grow by a negative number of slots ({n})")
+        if self.shrinking:
+            raise ValueError("cannot grow while a shrink is under way")
         if n == 0:
             return
         old = self._n
         self._n += n
+        self._limit = self._n
         self._free.extend(b"\x01" * n)
         self._num_free += n
         # A run can now be as long as the whole pool, so make room for its bin.
@@ -215,20 +245,61 @@ class SlotAllocator:
             raise ValueError(f"cannot shrink by a negative number of slots ({n})")
         if n > self._n:
             raise ValueError(f"cannot shrink by {n} slots: the pool has only {self._n}")
-        if n == 0:
-            return
-        new = self._n - n
-        used = self._free.find(0, new)
+        used = self._free.find(0, self._n - n)
         if used != -1:
             raise ValueError(f"cannot shrink by {n} slots: slot {used} is in use")
-        # All of [new, n) is free, so it sits inside the one run that ends at num_slots.
-        start = self._run_at_end[self._n]
-        self._remove_run(start)
-        if start < new:
-            self._add_run(start, new - start)
-        del self._free[new:]
-        self._n = new
-        self._num_free -= n
+        self.begin_shrink(self._n - n)
+        self.finish_shrink()
+
+    # A shrink in three steps, for a pool whose tail still holds live slots: `begin_shrink`
+    # stops handing out the tail, the owner moves or frees what lives there, `finish_shrink`
+    # drops the tail once it is all free (or `cancel_shrink` gives it back).
+
+    def begin_shrink(self, new_size: int) -> None:
+        """Stop handing out slots >= new_size; free ones there leave the free runs now, ones
+        freed later never enter them. O(free runs in the tail)."""
+        new_size = operator.index(new_size)
+        if not 0 <= new_size <= self._n:
+            raise ValueError(f"cannot shrink to {new_size} slots: the pool has {self._n}")
+        if self.shrinking:
+            raise ValueError("a shrink is already under way")
+        self._limit = new_size
+        i = self._free.find(1, new_size)
+        while i != -1:
+            start = self._free.rfind(0, 0, i) + 1       # start of the run holding slot i
+            length = self._remove_run(start)
+            if start < new_size:                        # the run straddles the limit
+                self._add_run(start, new_size - start)
+            tail = start + length - max(start, new_size)
+            self._num_free -= tail
+            self._retired += tail
+            i = self._free.find(1, start + length)
+
+    def drained(self) -> bool:
+        """Every slot at or above the shrink's limit is free."""
+        return self._retired == self._n - self._limit
+
+    def finish_shrink(self) -> None:
+        if not self.drained():
+            used = self._free.find(0, self._limit)
+            raise ValueError(f"cannot finish the shrink to {self._limit} slots: slot {used} "
+                             "is in use")
+        del self._free[self._limit:]
+        self._n = self._limit
+        self._retired = 0
+
+    def cancel_shrink(self) -> None:
+        """Give the tail's free slots back to the free runs; the pool keeps its size."""
+        i = self._free.find(1, self._limit)
+        self._limit = self._n
+        while i != -1:
+            end = self._free.find(0, i)
+            end = self._n if end == -1 else end
+            self._retired -= end - i
+            self._num_free += end - i
+            self._insert_free(i, end - i)
+            i = self._free.find(1, end)
+        assert self._retired == 0
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -82,6 +83,7 @@ class TieredKVCache:
         self.tiers = self._build_tiers(config)
         self.index: dict[bytes, Block] = {}
         self._lock = TimedLock()
+        self._resize_lock = threading.Lock()    # one resize at a time (see resize.py)
         self.lookups = HoldStats()      # open(): prefix match + pin + reserve, per call
         self._clock = 0
         self._block_ids = itertools.count()
@@ -133,9 +135,11 @@ class TieredKVCache:
             if name == "host" and n == 0:
                 continue                        # `num_blocks: 0`: a device-only cache
             pool = None
+            tcfg = getattr(config.tiers, name)
             if self.has_storage:
-                pool = make_pool(name, n, device=self.device,
-                                 memory=config.tiers.host.memory, **geometry)
+                pool = make_pool(name, n, device=self.device, memory=config.tiers.host.memory,
+                                 max_slots=tcfg.max_num_blocks,
+                                 segment_slots=tcfg.segment_blocks, **geometry)
             policy = policy_cls(n, block_size=self.block_size, cost_context_tokens=cost_ctx)
             tiers.append(Tier(name, len(tiers), SlotAllocator(n), policy, pool))
         return tiers
@@ -426,6 +430,16 @@ class TieredKVCache:
                 "open_sequences": len(self._open),
             }
 
+    def resize(self, tier: str, num_blocks: int, *, timeout: float | None = 30.0) -> int:
+        """Grow or shrink a tier to `num_blocks` slots while the cache serves; returns the new
+        size. Growing backs new memory segments (CapacityError when the machine lacks the
+        memory or `max_num_blocks` is passed); shrinking moves the blocks above the new size
+        down, evicts by policy when they do not fit, and frees the emptied segments. Pinned
+        blocks are waited for up to `timeout` seconds; on timeout the tier keeps its size and
+        no block is lost. See `tiered_cache.resize`."""
+        from tiered_cache.resize import resize
+        return resize(self, tier, num_blocks, timeout)
+
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
             if t.name == name:
@@ -565,8 +579,9 @@ class TieredKVCache:
             self.migrator.poke()
         return slots
 
-    def _evict(self, t: int, n: int) -> None:
-        """Free `n` slots of tier t by the tier's policy. Victims with no copy in a slower tier
+    def _evict(self, t: int, n: int, need=None) -> None:
+        """Free `n` slots of tier t by the tier's policy (or, with `need`, evict until
+        `need()`, the slots still missing, drops to 0). Victims with no copy in a slower tier
         are demoted to the next tier when it has room, and dropped otherwise.
 
         NOTE: victims are taken one at a time, and each leaves the tier (in the metadata)
@@ -577,10 +592,14 @@ class TieredKVCache:
         """
         tier = self.tiers[t]
         below = t + 1 if t + 1 < len(self.tiers) else None
-        target = tier.allocator.num_free + n
+        if need is None:
+            alloc, target = tier.allocator, tier.allocator.num_free + n
+
+            def need() -> int:
+                return target - alloc.num_free
         plan: list[Transfer] = []
         try:
-            self._pick_victims(t, below, target, plan)
+            self._pick_victims(t, below, need, plan)
         finally:
             # Even if the loop stopped early, every metadata move above must get its data.
             # A block demoted above may have been dropped again by a later host eviction in
@@ -594,14 +613,14 @@ class TieredKVCache:
             self.counters["demotions"] += len(plan)
             self.counters["demotion_bytes"] += len(plan) * self.block_bytes
 
-    def _pick_victims(self, t: int, below: int | None, target: int,
+    def _pick_victims(self, t: int, below: int | None, need,
                       plan: list[Transfer]) -> None:
         tier = self.tiers[t]
         # Lower-tier slots reserved in batches: one lower-tier eviction pass serves many
         # demotions instead of one per victim. Unused ones are given back at the end.
         reserve: list[int] = []
         try:
-            while tier.allocator.num_free < target:
+            while need() > 0:
                 got = tier.policy.victims(1)
                 if not got:
                     # Room counted blocks that are not candidates yet (a parent whose child
@@ -613,7 +632,7 @@ class TieredKVCache:
                 v.candidate[t] = False
                 if below is not None and all(s == NO_SLOT for s in v.slots[t + 1:]):
                     if not reserve:
-                        k = min(target - tier.allocator.num_free, self._room(below))
+                        k = min(need(), self._room(below))
                         reserve = self._allocate(below, k)[::-1] if k > 0 else []
                     if reserve and v.slots[t] != NO_SLOT:
                         dst = reserve.pop()

@@ -229,13 +229,20 @@ class ModelConfig(_Section):
 
 
 class _TierSize:
-    """Shared check: exactly one of capacity / num_blocks."""
+    """Shared check: exactly one of capacity / num_blocks; the resize bounds."""
 
     def _check_size(self: Any, min_blocks: int) -> None:
         _size(self._key("capacity"), self.capacity)
         if self.num_blocks is not None:
             check = _positive_int if min_blocks else _non_negative_int
             check(self._key("num_blocks"), self.num_blocks)
+        for key in ("max_num_blocks", "segment_blocks"):
+            if getattr(self, key) is not None:
+                _positive_int(self._key(key), getattr(self, key))
+        if self.max_num_blocks is not None and self.num_blocks is not None and \
+                self.max_num_blocks < self.num_blocks:
+            raise ConfigError(self._key("max_num_blocks"),
+                              f"{self.max_num_blocks} is below num_blocks {self.num_blocks}")
         if (self.capacity is None) == (self.num_blocks is None):
             got = "both" if self.capacity is not None else "neither"
             raise ConfigError(self._PATH,
@@ -254,6 +261,12 @@ class GpuTierConfig(_Section, _TierSize):
     """"40GiB", "512MiB" or "70%" (of the device's free memory)."""
     num_blocks: int | None = None
     """Exactly one of capacity / num_blocks must be set."""
+    max_num_blocks: int | None = None
+    """Largest size `cache.resize` may grow the tier to; address space for it is reserved up
+    front (no memory). null: the machine's physical memory in blocks."""
+    segment_blocks: int | None = None
+    """Blocks per memory segment: resize backs and frees memory in these steps. null: about
+    64 MiB of KV."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
@@ -277,6 +290,10 @@ class HostTierConfig(_Section, _TierSize):
     memory: str = "pinned"
     """pinned | managed | pageable. pinned falls back to pageable without CUDA; managed needs
     CUDA (and cupy)."""
+    max_num_blocks: int | None = None
+    """As for tiers.gpu."""
+    segment_blocks: int | None = None
+    """As for tiers.gpu."""
 
     def __post_init__(self) -> None:
         self._check_size(min_blocks=0)
@@ -554,9 +571,13 @@ tiers:
   gpu:
     device: auto          # auto | cpu | cuda | cuda:N  (auto: cuda when available, else cpu)
     num_blocks: 256       # or capacity: "40GiB" / "70%" of free memory (exactly one of the two)
+    max_num_blocks: null  # cache.resize ceiling (address space only); null: physical memory
+    segment_blocks: null  # resize backs/frees memory in segments of this many blocks (~64 MiB)
   host:
     num_blocks: 1024      # or capacity; 0 means no host tier
     memory: pinned        # pinned | managed | pageable (pinned: pageable without CUDA)
+    max_num_blocks: null
+    segment_blocks: null
 
 policy: lru               # eviction policy: a registered name or "pkg.module:Class"
 write_policy: write_back  # write_back: copy to host on eviction | write_through: as soon as full

@@ -180,8 +180,10 @@ def movable(b: Block | None) -> bool:
     return b is not None and b.key is not None and b.ref_count == 0 and b.in_flight == 0
 
 
-def plan_compaction(cache: TieredKVCache, t: int, max_moves: int) -> list[Transfer]:
-    """Pair the highest movable blocks with the lowest free slots below them."""
+def plan_compaction(cache: TieredKVCache, t: int, max_moves: int,
+                    floor: int = 0) -> list[Transfer]:
+    """Pair the highest movable blocks (at or above `floor`) with the lowest free slots below
+    them. A shrink passes its new size as the floor: only the tail is emptied."""
     tier = cache.tiers[t]
     alloc, owner = tier.allocator, tier.owner
     plan: list[Transfer] = []
@@ -189,7 +191,8 @@ def plan_compaction(cache: TieredKVCache, t: int, max_moves: int) -> list[Transf
     low = alloc.lowest_free()
     # Two cursors: `slot` walks down over used slots, `low` up over free ones; each flag is
     # looked at once per step, so a step is O(slots scanned) at memchr speed.
-    while slot is not None and low is not None and low < slot and len(plan) < max_moves:
+    while slot is not None and slot >= floor and low is not None and low < slot \
+            and len(plan) < max_moves:
         b = owner[slot]
         if movable(b):
             alloc.allocate_at(low)

@@ -8,6 +8,11 @@
   CUDA is present (and `memory: pinned`), CUDA managed memory through cupy for `memory: managed`,
   pageable otherwise.
 
+Pools in host memory (the host tier, and the device tier without CUDA) are resizable: their
+tensors lie over address space reserved for `max_slots` and are backed segment by segment
+(`tiered_cache.segments`), so `resize` neither moves nor copies a slot. A CUDA device pool and a
+`managed` host pool have a fixed size.
+
 The pools execute copies; they never decide what to copy (that is the control plane's job).
 """
 
@@ -18,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tiered_cache.errors import TierUnavailableError
+from tiered_cache.errors import CapacityError, TierUnavailableError
+from tiered_cache.segments import SegmentedTensor, default_max_slots, default_segment_slots
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +36,123 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0             # largest finite e4m3 value
 
 
-class DevicePool:
+class _Pool:
+    """What both pools share: the slot count and, when the memory is reserved, resizing."""
+
+    where = "tiers"
+    # (attribute, SegmentedTensor, fill value of new slots) per resizable tensor of the pool
+    _segmented: list[tuple[str, SegmentedTensor, float]]
+
+    def _reserve(self, outer: tuple[int, ...], inner: tuple[int, ...], num_slots: int,
+                 max_slots: int | None, segment_slots: int | None, pinned: bool) -> None:
+        slot_bytes = _prod(outer) * _prod(inner) * self.kv_dtype.itemsize
+        self.max_slots = default_max_slots(slot_bytes, num_slots) if max_slots is None \
+            else max_slots
+        seg = segment_slots or default_segment_slots(slot_bytes, num_slots)
+        try:
+            kv = SegmentedTensor(outer, inner, self.kv_dtype, num_slots=num_slots,
+                                 max_slots=self.max_slots, segment_slots=seg, pinned=pinned,
+                                 where=self.where)
+        except OSError as exc:
+            if max_slots is not None or self.max_slots == num_slots:
+                raise TierUnavailableError(f"{self.where}: cannot reserve address space for "
+                                           f"{self.max_slots:,} blocks ({exc})") from exc
+            # Strict overcommit (vm.overcommit_memory=2) refuses a large reservation: fall back
+            # to the starting size, which can still shrink and grow back.
+            log.warning("%s: cannot reserve %d blocks of address space (%s); max_num_blocks "
+                        "falls back to %d", self.where, self.max_slots, exc, num_slots)
+            self.max_slots = num_slots
+            kv = SegmentedTensor(outer, inner, self.kv_dtype, num_slots=num_slots,
+                                 max_slots=num_slots, segment_slots=seg, pinned=pinned,
+                                 where=self.where)
+        self._segmented = [("kv", kv, 0.0)]
+        if self.kv_dtype == FP8:
+            # FP8: one float32 scale per (layer, K|V, slot), laid out like the pool
+            dims = (outer, ()) if outer else ((), inner[:2])
+            scales = SegmentedTensor(dims[0], dims[1], torch.float32, num_slots=num_slots,
+                                     max_slots=self.max_slots, segment_slots=seg,
+                                     pinned=pinned, where=self.where)
+            self._segmented.append(("scales", scales, 1.0))
+        self._set_views(num_slots, fill_from=0)
+
+    @property
+    def resizable(self) -> bool:
+        return bool(self._segmented)
+
+    @property
+    def num_slots(self) -> int:
+        return self.kv.shape[self._slot_dim]
+
+    def check_resize(self, num_slots: int) -> None:
+        """Raise unless `resize(num_slots)` can succeed: the pool is resizable, `num_slots` is
+        within max_slots and the machine has the memory to back it."""
+        if not self.resizable:
+            raise TierUnavailableError(
+                f"{self.where}: this pool has a fixed size ({self._fixed_reason})")
+        if num_slots > self.max_slots:
+            raise CapacityError(f"{self.where}: {num_slots:,} blocks exceed max_num_blocks "
+                                f"{self.max_slots:,}")
+        need = sum(mem.bytes_for(num_slots) for _, mem, _ in self._segmented)
+        if need:
+            avail = _available_bytes()
+            if need > avail:
+                raise CapacityError(f"{self.where}: growing to {num_slots:,} blocks needs "
+                                    f"{need:,} more bytes of memory but only {avail:,} are "
+                                    "available")
+
+    def resize(self, num_slots: int) -> None:
+        """Grow (back new segments, then show the slots) or shrink (hide the slots, then give
+        their memory back). The caller guarantees nothing reads the slots cut off."""
+        self.check_resize(num_slots)
+        old = self.num_slots
+        if num_slots > old:
+            done = []
+            try:
+                for _, mem, _ in self._segmented:
+                    mem.grow(num_slots)
+                    done.append(mem)
+            except BaseException:
+                for mem in done:
+                    mem.shrink(old)
+                raise
+            self._set_views(num_slots, fill_from=old)
+        elif num_slots < old:
+            self._set_views(num_slots, fill_from=num_slots)
+            for _, mem, _ in self._segmented:
+                mem.shrink(num_slots)
+
+    def _set_views(self, num_slots: int, fill_from: int) -> None:
+        for attr, mem, fill in self._segmented:
+            view = mem.view(num_slots)
+            if fill and num_slots > fill_from:
+                idx = (slice(None),) * self._slot_dim + (slice(fill_from, num_slots),)
+                view[idx].fill_(fill)
+            setattr(self, attr, view)
+
+
+class DevicePool(_Pool):
     layout = "layer_major"
+    where = "tiers.gpu"
+    _slot_dim = 2
 
     def __init__(self, num_slots: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: str, *,
+                 max_slots: int | None = None, segment_slots: int | None = None) -> None:
         self.device = torch.device(device)
+        self.block_size = block_size
+        self.kv_dtype = dtype
+        self.scales = None
+        self._segmented = []
+        if self.device.type == "cpu":
+            self._reserve((num_layers, 2), (block_size, num_kv_heads, head_dim), num_slots,
+                          max_slots, segment_slots, pinned=False)
+            return
+        # NOTE: growing a CUDA pool in place needs the driver's virtual memory API (reserve,
+        # then map physical chunks); until that is driven here the device pool is fixed.
+        self._fixed_reason = "a CUDA device pool is allocated once"
+        self.max_slots = num_slots
         self.kv = torch.zeros((num_layers, 2, num_slots, block_size, num_kv_heads, head_dim),
                               dtype=dtype, device=self.device)
-        self.block_size = block_size
         # FP8: one float32 scale per (layer, K|V, slot); value = scale * fp8.
         self.scales = (torch.ones((num_layers, 2, num_slots), dtype=torch.float32,
                                   device=self.device) if dtype == FP8 else None)
@@ -106,26 +220,32 @@ class DevicePool:
             data.view(-1, *data.shape[2:]).index_copy_(0, flat, q)
 
 
-class HostPool:
+class HostPool(_Pool):
     layout = "block_major"
+    where = "tiers.host"
+    _slot_dim = 0
 
     def __init__(self, num_slots: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, memory: str) -> None:
-        shape = (num_slots, num_layers, 2, block_size, num_kv_heads, head_dim)
+                 head_dim: int, dtype: torch.dtype, memory: str, *,
+                 max_slots: int | None = None, segment_slots: int | None = None) -> None:
         self.memory = memory
-        if memory == "managed":
-            self.kv = _managed_tensor(shape, dtype)
-        elif memory == "pinned" and torch.cuda.is_available():
-            self.kv = torch.zeros(shape, dtype=dtype, pin_memory=True)
-        else:
-            # NOTE: `pinned` without CUDA falls back to pageable memory: pinning needs a driver.
-            self.memory = "pageable"
-            self.kv = torch.zeros(shape, dtype=dtype)
         self.block_size = block_size
+        self.kv_dtype = dtype
         self.scales = None
-        if dtype == FP8:
-            self.scales = torch.ones((num_slots, num_layers, 2), dtype=torch.float32,
-                                     pin_memory=self.kv.is_pinned())
+        self._segmented = []
+        if memory == "managed":
+            shape = (num_slots, num_layers, 2, block_size, num_kv_heads, head_dim)
+            self._fixed_reason = "managed memory is allocated once"
+            self.max_slots = num_slots
+            self.kv = _managed_tensor(shape, dtype)
+            if dtype == FP8:
+                self.scales = torch.ones((num_slots, num_layers, 2), dtype=torch.float32)
+            return
+        pinned = memory == "pinned" and torch.cuda.is_available()
+        # NOTE: `pinned` without CUDA falls back to pageable memory: pinning needs a driver.
+        self.memory = "pinned" if pinned else "pageable"
+        self._reserve((), (num_layers, 2, block_size, num_kv_heads, head_dim), num_slots,
+                      max_slots, segment_slots, pinned=pinned)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kv[:, layer, 0], self.kv[:, layer, 1]
@@ -155,10 +275,24 @@ def _managed_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.as_tensor(buf, device="cuda").view(dtype).view(*shape)
 
 
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _available_bytes() -> int:
+    import psutil
+    return psutil.virtual_memory().available
+
+
 def make_pool(kind: str, num_slots: int, *, num_layers: int, block_size: int, num_kv_heads: int,
-              head_dim: int, dtype: str, device: str = "cpu", memory: str = "pageable"):
+              head_dim: int, dtype: str, device: str = "cpu", memory: str = "pageable",
+              max_slots: int | None = None, segment_slots: int | None = None):
     torch_dtype = TORCH_DTYPES[dtype]
     if kind == "gpu":
         return DevicePool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype,
-                          device)
-    return HostPool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype, memory)
+                          device, max_slots=max_slots, segment_slots=segment_slots)
+    return HostPool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype, memory,
+                    max_slots=max_slots, segment_slots=segment_slots)

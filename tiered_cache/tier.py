@@ -23,11 +23,13 @@ class Tier:
     owner: list = field(default_factory=list)   # slot -> Block holding it (the compactor's map)
 
     def __post_init__(self) -> None:
+        # NOTE: sized by the allocator's slots, which exceed capacity_blocks while a shrink
+        # drains the tail.
         self.owner = [None] * self.allocator.num_slots
 
     @property
     def capacity_blocks(self) -> int:
-        return self.allocator.num_slots
+        return self.allocator.capacity
 
     @property
     def used_blocks(self) -> int:

@@ -51,6 +51,13 @@ class ARCPolicy(CachePolicy):
         self._b2: OrderedDict[bytes | int, None] = OrderedDict()
         self._parked = Parked(capacity_blocks)
 
+    def resize(self, capacity_blocks: int) -> None:
+        # The directory bounds follow c at the next replace; p keeps its learned split.
+        super().resize(capacity_blocks)
+        self.c = max(1, capacity_blocks)
+        self.p = min(self.p, float(self.c))
+        self._parked.limit = max(1, capacity_blocks)
+
     def insert(self, block: Block) -> None:
         bid = block.id
         if bid in self._t1 or bid in self._t2:

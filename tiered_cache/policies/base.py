@@ -54,6 +54,11 @@ class CachePolicy(ABC):
     @abstractmethod
     def victims(self, n: int) -> list[Block]: ...
 
+    def resize(self, capacity_blocks: int) -> None:
+        """The tier was resized. Policies that size queues or ghosts from the capacity read
+        `capacity_blocks` again (or override this)."""
+        self.capacity_blocks = capacity_blocks
+
     @abstractmethod
     def __len__(self) -> int: ...
 

@@ -103,6 +103,12 @@ class S3FIFOPolicy(CachePolicy):
         self._ghost: OrderedDict[bytes | int, None] = OrderedDict()  # evicted from S, oldest first
         self._parked = Parked(capacity_blocks)                 # id -> (queue, freq)
 
+    def resize(self, capacity_blocks: int) -> None:
+        super().resize(capacity_blocks)
+        self.small_target = max(1, int(capacity_blocks * self.SMALL_FRACTION))
+        self.ghost_limit = max(1, capacity_blocks)
+        self._parked.limit = max(1, capacity_blocks)
+
     def insert(self, block: Block) -> None:
         bid = block.id
         if bid in self._freq:          # already a candidate

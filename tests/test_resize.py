@@ -1,0 +1,266 @@
+"""cache.resize: online grow and shrink of a tier, data kept, bad input refused, rollback."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from tests.test_migrator import BS, cache_prompt, check_data, fill, make, settle
+from tiered_cache import TieredKVCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.errors import CapacityError, TierUnavailableError
+from tiered_cache.invariants import check_invariants
+
+
+def prompts(n: int, blocks: int = 2, base: int = 0) -> list[list[int]]:
+    return [[base + p * 1000 + i for i in range(blocks * BS)] for p in range(n)]
+
+
+def cached_tokens(cache: TieredKVCache, tokens: list[int], check: bool = True) -> int:
+    seq = cache.open(tokens)
+    got = seq.num_cached_tokens
+    if check and got == len(tokens):
+        check_data(cache, seq, tokens)
+    cache.close(seq)
+    return got
+
+
+def test_shrink_then_grow_keeps_data_and_frees_segments():
+    cache = make(8, 64, migrator={"enabled": False})
+    host = cache.tiers[1]
+    cfg = cache.config.tiers.host
+    assert cfg.segment_blocks is None
+    ps = prompts(14)                             # 28 blocks: most go to the host tier
+    for p in ps:
+        cache_prompt(cache, p)
+    before = sum(cached_tokens(cache, p, check=False) == len(p) for p in ps)
+    assert host.allocator.highest_used() >= 16
+    segments = host.pool._segmented[0][1]
+    backed = segments.backed_segments
+
+    assert cache.resize("host", 40) == 40        # everything still fits: nothing is lost
+    check_invariants(cache)
+    assert host.capacity_blocks == 40 and host.pool.kv.shape[0] == 40
+    assert host.allocator.highest_used() < 40
+    assert segments.backed_slots >= 40 and segments.backed_segments <= backed
+    after = sum(cached_tokens(cache, p) == len(p) for p in ps)
+    assert after == before
+
+    assert cache.resize("host", 200) == 200      # grow back, and past the start
+    check_invariants(cache)
+    assert host.pool.kv.shape[0] == 200 and host.allocator.num_free > 150
+    for p in prompts(40, base=10**6):            # the new slots are used
+        cache_prompt(cache, p)
+    assert host.allocator.num_used > 64
+    for p in ps[-4:]:
+        assert cached_tokens(cache, p) in (0, len(p))
+    check_invariants(cache)
+    cache.shutdown()
+
+
+def test_shrink_evicts_by_policy_when_the_rest_does_not_fit():
+    cache = make(12, 0, migrator={"enabled": False})
+    ps = prompts(6)                              # 12 blocks: the tier is full
+    for p in ps:
+        cache_prompt(cache, p)
+    cached_tokens(cache, ps[0])                  # ps[0] is now the most recent
+    cache.resize("gpu", 4)
+    check_invariants(cache)
+    gpu = cache.tiers[0]
+    assert gpu.capacity_blocks == 4 and gpu.allocator.num_used == 4
+    assert cached_tokens(cache, ps[0]) == len(ps[0])     # LRU kept the recent prompt
+    assert cached_tokens(cache, ps[1]) == 0
+    cache.shutdown()
+
+
+def test_shrinking_the_device_tier_demotes_to_host():
+    cache = make(12, 40, migrator={"enabled": False})
+    ps = prompts(6)
+    for p in ps:
+        cache_prompt(cache, p)
+    cache.resize("gpu", 4)
+    check_invariants(cache)
+    assert cache.stats()["demotions"] >= 8
+    for p in ps:                                 # all of them, from one tier or the other
+        assert cached_tokens(cache, p) == len(p)
+    cache.shutdown()
+
+
+def test_pinned_tail_blocks_time_out_and_leave_the_tier_as_it_was():
+    cache = make(12, 0, migrator={"enabled": False})
+    ps = prompts(6)
+    for p in ps:
+        cache_prompt(cache, p)
+    gpu = cache.tiers[0]
+    top = gpu.owner[gpu.allocator.highest_used()]
+
+    def holds_top(p: list[int]) -> bool:
+        s = cache.open(p)
+        inside = top in s.blocks
+        cache.close(s)
+        return inside
+
+    held = next(p for p in ps if holds_top(p))
+    seq = cache.open(held)                       # pins the block in the highest slot
+    with pytest.raises(CapacityError, match="cannot shrink to 2 blocks within the timeout"):
+        cache.resize("gpu", 2, timeout=0.1)
+    check_invariants(cache)
+    assert gpu.capacity_blocks == 12 and gpu.allocator.num_slots == 12
+    assert gpu.allocator.num_free + gpu.allocator.num_used == 12
+    check_data(cache, seq, held)
+    cache.close(seq)
+    cache.resize("gpu", 2)                        # unpinned now: the shrink goes through
+    check_invariants(cache)
+    assert gpu.capacity_blocks == 2
+    cache.shutdown()
+
+
+def test_a_shrink_waits_for_a_sequence_that_closes_meanwhile():
+    cache = make(12, 0, migrator={"enabled": False})
+    ps = prompts(6)
+    for p in ps:
+        cache_prompt(cache, p)
+    seqs = [cache.open(p) for p in ps]           # every block pinned
+    closer = threading.Timer(0.1, lambda: [cache.close(s) for s in seqs])
+    closer.start()
+    cache.resize("gpu", 4, timeout=10.0)
+    closer.join()
+    check_invariants(cache)
+    assert cache.tiers[0].capacity_blocks == 4
+    cache.shutdown()
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (("cpu", 4), KeyError, "no tier named 'cpu'"),
+    (("gpu", 0), ValueError, "at least 1"),
+    (("gpu", -3), ValueError, "at least 1"),
+    (("gpu", 4.0), TypeError, "num_blocks must be an int"),
+    (("gpu", True), TypeError, "num_blocks must be an int"),
+    (("gpu", "8"), TypeError, "num_blocks must be an int"),
+])
+def test_bad_input_is_refused_and_changes_nothing(bad, error, match):
+    cache = make(8, 16, migrator={"enabled": False})
+    cache_prompt(cache, prompts(1)[0])
+    with pytest.raises(error, match=match):
+        cache.resize(*bad)
+    with pytest.raises(ValueError, match="timeout must be > 0"):
+        cache.resize("gpu", 4, timeout=0)
+    check_invariants(cache)
+    assert cache.tiers[0].capacity_blocks == 8
+    assert cached_tokens(cache, prompts(1)[0]) == 2 * BS
+    cache.shutdown()
+
+
+def test_growth_past_max_num_blocks_or_memory_is_refused(monkeypatch):
+    cache = TieredKVCache(CacheConfig.from_dict({
+        "block_size": BS, "model": {"num_layers": 3, "num_kv_heads": 1, "head_dim": 4},
+        "tiers": {"gpu": {"num_blocks": 8, "max_num_blocks": 16},
+                  "host": {"num_blocks": 16}},
+        "migrator": {"enabled": False}, "compactor": {"enabled": False}}))
+    with pytest.raises(CapacityError, match="exceed max_num_blocks 16"):
+        cache.resize("gpu", 17)
+    assert cache.resize("gpu", 16) == 16
+    monkeypatch.setattr("tiered_cache.storage._available_bytes", lambda: 1000)
+    with pytest.raises(CapacityError, match="more bytes of memory but only 1,000"):
+        cache.resize("host", 10_000)
+    check_invariants(cache)
+    assert cache.tiers[1].capacity_blocks == 16 and cache.tiers[1].pool.kv.shape[0] == 16
+    cache.shutdown()
+
+
+def test_fixed_pools_refuse_to_resize():
+    cache = make(8, 16, migrator={"enabled": False})
+    pool = cache.tiers[0].pool
+    pool._segmented, pool._fixed_reason = [], "a CUDA device pool is allocated once"
+    with pytest.raises(TierUnavailableError, match="fixed size"):
+        cache.resize("gpu", 12)
+    assert cache.tiers[0].capacity_blocks == 8
+    cache.shutdown()
+
+
+def test_resize_without_storage_moves_metadata_only():
+    cache = TieredKVCache(CacheConfig.from_dict({
+        "block_size": BS, "storage": "none",
+        "tiers": {"gpu": {"num_blocks": 16}, "host": {"num_blocks": 0}}}))
+    for p in prompts(8):
+        seq = cache.open(p)
+        cache.mark_computed(seq)
+        cache.close(seq)
+    cache.resize("gpu", 6)
+    check_invariants(cache)
+    cache.resize("gpu", 30)
+    check_invariants(cache)
+    assert cache.tiers[0].capacity_blocks == 30 and len(cache.index) == 6
+
+
+def test_shrink_then_grow_while_the_migrator_compactor_and_api_threads_run():
+    cache = make(24, 48, migrator={"high_watermark": 0.75, "low_watermark": 0.5},
+                 compactor={"enabled": True, "threshold": 0.2, "interval_s": 0.005})
+    errors: list[BaseException] = []
+    stop = time.monotonic() + 2.0
+
+    def api_thread(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            while time.monotonic() < stop:
+                tokens = [rng.choice([1, 2, 3]) for _ in range(rng.randrange(1, 3 * BS))]
+                try:
+                    seq = cache.open(tokens)
+                except CapacityError:
+                    continue
+                fill(cache, seq, tokens)
+                check_data(cache, seq, tokens)
+                cache.close(seq)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=api_thread, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    sizes = [("host", 20), ("gpu", 16), ("host", 64), ("gpu", 32), ("host", 24), ("gpu", 20)]
+    while time.monotonic() < stop:
+        for tier, n in sizes:
+            try:
+                cache.resize(tier, n, timeout=1.0)
+            except CapacityError:
+                pass                                  # pinned by a reader: tried again later
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+    settle(cache)
+    check_invariants(cache)
+    assert all(t.pinned_blocks == 0 for t in cache.tiers)
+    for t in cache.tiers:
+        assert t.pool.num_slots == t.allocator.num_slots == t.capacity_blocks
+    seq = cache.open([1, 2, 3, 1] * 2)
+    fill(cache, seq, [1, 2, 3, 1] * 2)
+    check_data(cache, seq, [1, 2, 3, 1] * 2)
+    cache.close(seq)
+    cache.shutdown()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "cost_aware", "reuse_credit"])
+def test_every_policy_follows_the_new_capacity(policy):
+    cache = TieredKVCache(CacheConfig.from_dict({
+        "block_size": BS, "storage": "none", "policy": policy,
+        "tiers": {"gpu": {"num_blocks": 20}, "host": {"num_blocks": 0}}}))
+
+    def serve(ps: list[list[int]]) -> None:
+        for p in ps:
+            seq = cache.open(p)
+            cache.mark_computed(seq)
+            cache.close(seq)
+
+    serve(prompts(10) * 2)
+    cache.resize("gpu", 8)
+    assert cache.tiers[0].policy.capacity_blocks == 8
+    check_invariants(cache)
+    serve(prompts(12, base=10**5))
+    cache.resize("gpu", 32)
+    assert cache.tiers[0].policy.capacity_blocks == 32
+    serve(prompts(14, base=10**6) * 2)
+    check_invariants(cache)
+    assert cache.tiers[0].allocator.num_used == 32          # the grown tier fills up

@@ -1,0 +1,108 @@
+"""Segmented pool memory: reserve once, back and free segments, never move a slot."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import torch
+
+from tiered_cache.errors import CapacityError
+from tiered_cache.segments import SegmentedTensor, default_max_slots, default_segment_slots
+from tiered_cache.storage import make_pool
+
+
+def layer_major(num_slots: int = 10, max_slots: int = 64, seg: int = 4) -> SegmentedTensor:
+    return SegmentedTensor((3, 2), (4, 2, 8), torch.float32, num_slots=num_slots,
+                           max_slots=max_slots, segment_slots=seg, pinned=False, where="tiers.x")
+
+
+def test_view_shape_segments_and_planes():
+    st = layer_major()
+    assert st.view(10).shape == (3, 2, 10, 4, 2, 8)
+    assert st.backed_segments == 3 and st.backed_slots == 12    # 10 slots -> 3 segments of 4
+    assert st.planes == 6 and st.slot_bytes == 4 * 2 * 8 * 4
+    assert st.bytes_for(12) == 0 and st.bytes_for(13) == 4 * st.slot_bytes * st.planes
+    # a segment is one range per plane, plane_stride apart
+    ranges = st._ranges(1)
+    assert len(ranges) == 6 and ranges[1][0] - ranges[0][0] == st.plane_stride
+
+
+def test_grow_and_shrink_keep_the_slots_below_and_never_move_them():
+    st = layer_major()
+    v = st.view(10)
+    v[:, :, 3].fill_(7.0)
+    ptr = v.data_ptr()
+    st.grow(40)
+    big = st.view(40)
+    assert big.data_ptr() == ptr and bool((big[:, :, 3] == 7).all())
+    big[:, :, 30].fill_(5.0)
+    st.shrink(8)
+    assert st.backed_segments == 2
+    st.grow(40)                                  # freed segments come back as zeros
+    again = st.view(40)
+    assert bool((again[:, :, 3] == 7).all()) and bool((again[:, :, 30] == 0).all())
+
+
+def test_growing_past_max_slots_is_refused():
+    st = layer_major(max_slots=16)
+    with pytest.raises(CapacityError, match="exceed max_num_blocks 16"):
+        st.grow(17)
+    assert st.backed_segments == 3
+    with pytest.raises(CapacityError, match="max_num_blocks 8 is below num_blocks 10"):
+        layer_major(max_slots=8)
+
+
+def test_a_failed_grow_backs_nothing(monkeypatch):
+    st = layer_major()
+    calls = []
+    real = st.reservation.back
+
+    def flaky(start: int, length: int) -> None:
+        calls.append(start)
+        if len(calls) == 5:
+            raise OSError("no memory")
+        real(start, length)
+
+    released = []
+    monkeypatch.setattr(st.reservation, "back", flaky)
+    monkeypatch.setattr(st.reservation, "release", lambda s, n: released.append(s))
+    with pytest.raises(OSError, match="no memory"):
+        st.grow(30)
+    assert st.backed_segments == 3
+    assert released == calls[:4]                 # what was backed before the failure
+
+
+def test_shrink_returns_memory_to_the_system():
+    mib = 1 << 20
+    st = SegmentedTensor((), (mib,), torch.uint8, num_slots=256, max_slots=512,
+                         segment_slots=32, pinned=False, where="tiers.x")
+    st.view(256).fill_(1)
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    st.shrink(32)
+    freed = before - proc.memory_info().rss
+    assert freed > 150 * mib, f"only {freed / mib:.0f} MiB of 224 MiB went back"
+
+
+@pytest.mark.parametrize("kind", ["gpu", "host"])
+def test_fp8_pools_resize_their_scales_with_new_slots_at_one(kind):
+    pool = make_pool(kind, 8, num_layers=2, block_size=4, num_kv_heads=1, head_dim=4,
+                     dtype="fp8_e4m3", memory="pageable", segment_slots=4)
+    assert pool.resizable and pool.num_slots == 8
+    pool.scales.fill_(3.0)
+    pool.resize(20)
+    dim = 2 if kind == "gpu" else 0
+    assert pool.kv.shape[dim] == 20 and pool.scales.shape[dim] == 20
+    low = pool.scales.narrow(dim, 0, 8)
+    new = pool.scales.narrow(dim, 8, 12)
+    assert bool((low == 3).all()) and bool((new == 1).all())
+    pool.resize(6)
+    assert pool.kv.shape[dim] == 6 and pool.scales.shape[dim] == 6
+
+
+def test_defaults():
+    assert default_segment_slots(1 << 20, 1000) == 64       # 64 MiB of 1 MiB blocks
+    assert default_segment_slots(1 << 20, 10) == 10         # never more than the pool holds
+    assert default_segment_slots(1 << 30, 10) == 1
+    total = psutil.virtual_memory().total
+    assert default_max_slots(1 << 20, 4) == max(4, total >> 20)
