@@ -19,11 +19,11 @@ LAYERS, HEADS, DIM, BS = 3, 1, 4, 4
 
 
 def make(gpu: int, host: int, *, migrator: dict | None = None, compactor: dict | None = None,
-         write_policy: str = "write_back") -> TieredKVCache:
+         write_policy: str = "write_back", device: str = "auto") -> TieredKVCache:
     return TieredKVCache(CacheConfig.from_dict({
         "block_size": BS, "write_policy": write_policy,
         "model": {"num_layers": LAYERS, "num_kv_heads": HEADS, "head_dim": DIM},
-        "tiers": {"gpu": {"num_blocks": gpu}, "host": {"num_blocks": host}},
+        "tiers": {"gpu": {"num_blocks": gpu, "device": device}, "host": {"num_blocks": host}},
         "migrator": {"wait_timeout_s": 10.0, **(migrator or {})},
         "compactor": {"enabled": False, **(compactor or {})},
     }))

@@ -7,12 +7,20 @@ import threading
 import time
 
 import pytest
+import torch
 
-from tests.test_migrator import BS, cache_prompt, check_data, fill, make, settle
+from tests.test_migrator import BS, cache_prompt, check_data, fill, settle
+from tests.test_migrator import make as make_on
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import CapacityError, TierUnavailableError
 from tiered_cache.invariants import check_invariants
+
+
+def make(gpu: int, host: int, **kw) -> TieredKVCache:
+    """The device tier in CPU memory, so it is resizable on a GPU machine too (a CUDA device
+    pool has a fixed size: test_cuda_device_pool_refuses_to_resize)."""
+    return make_on(gpu, host, device="cpu", **kw)
 
 
 def prompts(n: int, blocks: int = 2, base: int = 0) -> list[list[int]]:
@@ -264,3 +272,24 @@ def test_every_policy_follows_the_new_capacity(policy):
     serve(prompts(14, base=10**6) * 2)
     check_invariants(cache)
     assert cache.tiers[0].allocator.num_used == 32          # the grown tier fills up
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_device_pool_refuses_to_resize_and_pinned_host_resizes():
+    cache = make_on(8, 16, migrator={"enabled": False}, device="cuda")
+    with pytest.raises(TierUnavailableError, match="fixed size"):
+        cache.resize("gpu", 12)
+    host = cache.tiers[1]
+    assert host.pool.memory == "pinned" and host.pool.kv.is_pinned()
+    cache_prompt(cache, prompts(1)[0])
+    cache.resize("host", 64)
+    assert host.pool.kv.is_pinned()
+    ps = prompts(12, base=10**5)
+    for p in ps:
+        cache_prompt(cache, p)                   # demotions into the grown pinned segments
+    cache.resize("host", 4)
+    check_invariants(cache)
+    for p in ps[-2:]:
+        assert cached_tokens(cache, p) in (0, len(p))
+    cache.shutdown()
