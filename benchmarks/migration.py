@@ -12,7 +12,8 @@ interleaved (baseline, ours, baseline, ours, ...) so that the machine's drift hi
 (a) kernels: ``tiered_cache.kernels.copy_blocks_to_host`` / ``copy_blocks_to_gpu`` on the
     layer-major device pool and the block-major host pool, with contiguous slot runs and with
     scattered slots (random slots on both sides), all layers at once and (promotion) one layer
-    per call as the migrator issues it.
+    per call as the migrator issues it. Backend ``auto`` (Triton or copy engines on a GPU, the
+    numba one-pass copier on a CPU) and ``torch`` (the torch twin) are both timed.
 (b) end to end: a ``TieredKVCache`` (tensor storage, write_back) whose device tier is filled
     with published blocks; one more ``open()`` pushes it past the migrator's high watermark and
     the clock runs until ``stats()["demotions"]`` reaches the expected count (demotion down to
@@ -132,11 +133,13 @@ def bench_kernels(args, device: torch.device, cuda: bool, base: Baseline) -> lis
     src_s = torch.randperm(slots, generator=g)[:n].sort().values.tolist()
     dst_s = torch.randperm(slots, generator=g)[:n].tolist()
     nb = cuda
-    backends = ["auto", "torch"] if cuda else ["auto"]
+    # auto: Triton / copy engines on a GPU, the numba one-pass copier on a CPU; torch: the
+    # torch twin (the CPU path before the numba copier), for comparison in the same run.
+    backends = ["auto", "torch"]
     rows = []
     for backend in backends:
         for kind, (gs, hs) in (("contiguous", contiguous), ("scattered", (src_s, dst_s))):
-            if backend == "torch" and kind == "scattered":
+            if backend == "torch" and kind == "scattered" and cuda:
                 # NOTE: the torch twin gathers scattered host blocks with index_select on the
                 # CPU side (well under 1 GB/s), seconds per call at this size; the copy-engine
                 # comparison needs only the contiguous runs.

@@ -19,6 +19,7 @@ import math
 import operator
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from tiered_cache.errors import DTypeError, ShapeError
@@ -388,6 +389,21 @@ def _copy_triton_views(
     return None if views is None else views[0]
 
 
+def _host_copy(backend: str, gpu_kv: torch.Tensor, host_kv: torch.Tensor):
+    """The numba one-pass copy module when it applies (backend auto, both pools in CPU memory,
+    chunks contiguous, numba importable), else None for the torch twin."""
+    if backend != "auto" or gpu_kv.device.type != "cpu" or host_kv.device.type != "cpu":
+        return None
+    nd = gpu_kv.dim() - 3
+    if not (_chunks_contiguous(gpu_kv, nd) and _chunks_contiguous(host_kv, nd)):
+        return None
+    try:
+        from . import host_copy
+    except ImportError:                 # numba missing: the torch twin does the copy
+        return None
+    return host_copy
+
+
 def copy_blocks_to_host(
     gpu_kv: torch.Tensor,
     gpu_slots: Iterable[int] | torch.Tensor,
@@ -417,6 +433,11 @@ def copy_blocks_to_host(
 
         dev = gpu_kv.device
         copy_to_host_triton(gpu_kv, gs.to(dev), host_view, hs.to(dev))
+        return
+    fast = _host_copy(backend, gpu_kv, host_kv)
+    if fast is not None:
+        fast.copy_blocks(gpu_kv, (2, 0, 1), gs.numpy(), host_kv, (0, 1, 2), hs.numpy(),
+                         np.arange(gpu_kv.shape[0]))
         return
     reference.copy_to_host(gpu_kv, gs, host_kv, hs, non_blocking=non_blocking)
 
@@ -457,6 +478,11 @@ def copy_blocks_to_gpu(
             layer_list if layer_list is not None else range(num_layers), dtype=torch.int32
         )
         copy_to_gpu_triton(host_view, hs.to(dev), gpu_kv, gs.to(dev), ls.to(dev))
+        return
+    fast = _host_copy(backend, gpu_kv, host_kv)
+    if fast is not None:
+        fast.copy_blocks(host_kv, (0, 1, 2), hs.numpy(), gpu_kv, (2, 0, 1), gs.numpy(),
+                         np.arange(num_layers) if layer_list is None else np.array(layer_list))
         return
     reference.copy_to_gpu(
         host_kv, hs, gpu_kv, gs, layers=layer_list, non_blocking=non_blocking

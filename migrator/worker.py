@@ -25,6 +25,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -115,6 +116,8 @@ class Migrator:
 
     def _work(self) -> None:
         stream = self._new_stream()
+        if not self._cuda:
+            _warm_up_host_copy()
         while True:
             job = self._jobs.get()
             if job.kind == "stop":
@@ -161,32 +164,65 @@ class Migrator:
                 moves.commit_copy_down(cache, job.plan, error is None)
 
     def _watch(self) -> None:
-        cache, cfg = self.cache, self.config
+        """Demote above the high watermark down to the low one, batch by batch.
+
+        NOTE: pipelined: while batch k copies on the copier thread, this thread commits batch
+        k - 1 and plans batch k + 1, so the Python work of planning and committing hides
+        behind the copies. At most one batch copies at a time; the blocks of a batch in flight
+        still hold device slots, so they are subtracted from the excess.
+        """
+        cache = self.cache
         gpu = cache.tiers[0]
+        copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tc-demoter-copy")
         stream = self._new_stream()
-        while not self._stop.is_set():
-            self._wake.wait(0.005)
-            self._wake.clear()
+        pools = [t.pool for t in cache.tiers]
+
+        def copy(plan):
+            error = self._attempt("demotion", partial(execute, plan, pools), stream)
+            self._sync(stream)
+            return error
+
+        try:
             while not self._stop.is_set():
-                with cache._lock:
-                    cap = gpu.capacity_blocks
-                    excess = gpu.used_blocks - int(cfg.low_watermark * cap)
-                    if gpu.used_blocks <= cfg.high_watermark * cap and not self._lowering:
+                self._wake.wait(0.005)
+                self._wake.clear()
+                pending: tuple[list[Transfer], Future] | None = None
+                while True:
+                    plan = None
+                    if not self._stop.is_set():
+                        with cache._lock:
+                            plan = self._plan_demotion(gpu, len(pending[0]) if pending else 0)
+                    if pending is not None:
+                        error = pending[1].result()
+                        with cache._lock:
+                            moves.commit_demotion(cache, pending[0], error is None)
+                        pending = None
+                        if not plan:
+                            continue        # parents of the batch just committed may be
+                                            # candidates now: plan again
+                    if not plan:
                         break
-                    if excess <= 0:
-                        self._lowering = False
-                        break
-                    self._lowering = True
-                    plan = moves.plan_demotion(cache, min(excess, cfg.batch_blocks))
-                    if not plan and not len(gpu.policy):
-                        self._lowering = False
-                        break               # everything left is pinned: nothing to demote
-                if plan:
-                    pools = [t.pool for t in cache.tiers]
-                    error = self._attempt("demotion", partial(execute, plan, pools), stream)
-                    self._sync(stream)
-                    with cache._lock:
-                        moves.commit_demotion(cache, plan, error is None)
+                    pending = (plan, copier.submit(copy, plan))
+        finally:
+            copier.shutdown(wait=True)
+
+    def _plan_demotion(self, gpu, in_flight: int) -> list[Transfer] | None:
+        """The next demotion batch, or None when the watermark is met (called under the
+        lock; `in_flight` blocks of an uncommitted batch are already on their way)."""
+        cfg = self.config
+        cap = gpu.capacity_blocks
+        used = gpu.used_blocks - in_flight
+        excess = used - int(cfg.low_watermark * cap)
+        if used <= cfg.high_watermark * cap and not self._lowering:
+            return None
+        if excess <= 0:
+            self._lowering = False
+            return None
+        self._lowering = True
+        plan = moves.plan_demotion(self.cache, min(excess, cfg.batch_blocks))
+        if not plan and not in_flight:
+            self._lowering = False          # everything left is pinned: nothing to demote
+        return plan
 
     _lowering = False
 
@@ -240,3 +276,12 @@ class Migrator:
     def _sync(stream) -> None:
         if stream is not None:
             stream.synchronize()
+
+
+def _warm_up_host_copy() -> None:
+    """Compile the CPU block copier (kernels/host_copy.py, ~0.3 s) on a worker thread when the
+    cache starts, not on the first demotion."""
+    try:
+        from tiered_cache.kernels import host_copy  # noqa: F401
+    except ImportError:                 # numba missing: copies use the torch twin
+        pass

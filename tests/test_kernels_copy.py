@@ -32,7 +32,7 @@ SLOTS = {
 }
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", [*backend_params(), "auto"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("pattern", sorted(SLOTS))
 def test_round_trip_gpu_host_gpu(backend, dtype, pattern):
@@ -54,7 +54,7 @@ def test_round_trip_gpu_host_gpu(backend, dtype, pattern):
     assert (back[:, :, others].view(torch.uint8) == SENTINEL).all()
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", [*backend_params(), "auto"])
 @pytest.mark.parametrize("layers", [[1], [0, 2], [2, 0, 1]])
 def test_copy_to_gpu_layer_subset(backend, layers):
     """Layer-wise promotion: only the named layers are written."""
@@ -70,7 +70,7 @@ def test_copy_to_gpu_layer_subset(backend, layers):
     assert torch.equal(gpu_before[:, :, others], gpu[:, :, others])
 
 
-@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("backend", [*backend_params(), "auto"])
 def test_scales_travel_with_the_same_functions(backend):
     """FP8 scales gpu [L, 2, S] / host [S_h, L, 2] move as 1-element blocks."""
     gpu_scales = torch.rand(L, 2, S_GPU)
@@ -79,6 +79,27 @@ def test_scales_travel_with_the_same_functions(backend):
                         backend=backend)
     assert torch.equal(host_scales[0], gpu_scales[:, :, 3])
     assert torch.equal(host_scales[5], gpu_scales[:, :, 1])
+
+
+@pytest.mark.parametrize("layers", [None, [1], [0, 2]])
+def test_one_pass_cpu_copy_matches_the_torch_twin_on_strided_pool_views(layers):
+    """auto on CPU takes the numba chunk copy; pools cut from a larger reservation (as resizable
+    pools are: strides of max_slots, not of the shape) must come out as the torch twin's."""
+    gen = torch.Generator().manual_seed(3)
+    gpu_big = torch.randn(L, 2, 2 * S_GPU, *BLOCK, generator=gen).to(torch.bfloat16)
+    gpu = gpu_big[:, :, :S_GPU]
+    assert not gpu.is_contiguous()
+    out = {}
+    for backend in ("auto", "torch"):
+        host = torch.zeros(2 * S_HOST, L, 2, *BLOCK, dtype=torch.bfloat16)[:S_HOST]
+        copy_blocks_to_host(gpu, [9, 0, 4, 5, 6], host, [3, 11, 0, 1, 2], backend=backend)
+        back = torch.zeros_like(gpu_big)[:, :, :S_GPU]
+        copy_blocks_to_gpu(host, [3, 11, 0, 1, 2], back, [1, 2, 3, 7, 5], layers=layers,
+                           backend=backend)
+        out[backend] = (host.clone(), back.clone())
+    assert torch.equal(out["auto"][0], out["torch"][0])
+    assert torch.equal(out["auto"][1], out["torch"][1])
+    assert torch.equal(out["auto"][0][11], gpu[:, :, 0])
 
 
 def test_slot_runs_coalesce_adjacent_pairs():
