@@ -122,46 +122,74 @@ class Migrator:
             job = self._jobs.get()
             if job.kind == "stop":
                 return
+            jobs = [job]
             try:
-                self._run(job, stream)
+                if job.kind == "promotion":
+                    jobs += self._more_promotions()
+                    self._promote(jobs, stream)
+                else:
+                    self._copy_down(job, stream)
             except Exception:               # never let a worker die: log and go on
                 log.exception("migrator job %s failed unexpectedly", job.kind)
             finally:
                 with self._idle:
-                    self._busy -= 1
+                    self._busy -= len(jobs)
                     self._idle.notify_all()
 
-    def _run(self, job: _Job, stream) -> None:
+    def _more_promotions(self) -> list[_Job]:
+        """Promotion jobs queued right behind the one just taken, up to `_BATCH_BYTES` in all:
+        copied together, they cost one call per layer group instead of one per job."""
+        budget = self._BATCH_BYTES // max(1, self.cache.block_bytes)
+        out: list[_Job] = []
+        while budget > 0:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job.kind != "promotion":
+                self._jobs.put(job)         # its (priority, order) keeps its place
+                break
+            out.append(job)
+            budget -= len(job.plan)
+        return out
+
+    _BATCH_BYTES = 256 << 20
+
+    def _promote(self, jobs: list[_Job], stream) -> None:
         cache = self.cache
         pools = [t.pool for t in cache.tiers]
-        if job.kind == "promotion":
-            r = job.readiness
-
-            # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
-            # signalled as soon as it lands: small promotions would otherwise pay the per-call
-            # overhead once per layer, large ones still land layer by layer.
-            per_layer = max(1, len(job.plan) * cache.block_bytes // cache.num_layers)
-            group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
-            error = None
-            for first in range(0, cache.num_layers, group):
-                layers = tuple(range(first, min(cache.num_layers, first + group)))
-                error = self._attempt("promotion", partial(execute, job.plan, pools, layers),
-                                      stream)
-                if error is not None:
-                    break
-                event = self._event(stream)
-                for layer in layers:
-                    r.layer_done(layer, event)
-            self._sync(stream)
-            with cache._lock:
-                moves.commit_promotion(cache, job.plan, error is None)
+        plan = [t for job in jobs for t in job.plan]
+        # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
+        # signalled as soon as it lands: small promotions would otherwise pay the per-call
+        # overhead once per layer, large ones still land layer by layer.
+        per_layer = max(1, len(plan) * cache.block_bytes // cache.num_layers)
+        group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
+        error = None
+        for first in range(0, cache.num_layers, group):
+            layers = tuple(range(first, min(cache.num_layers, first + group)))
+            error = self._attempt("promotion", partial(execute, plan, pools, layers), stream)
             if error is not None:
-                r.fail(error)
-        else:
-            error = self._attempt(job.kind, lambda: execute(job.plan, pools), stream)
-            self._sync(stream)
-            with cache._lock:
-                moves.commit_copy_down(cache, job.plan, error is None)
+                break
+            event = self._event(stream)
+            for job in jobs:
+                for layer in layers:
+                    job.readiness.layer_done(layer, event)
+        self._sync(stream)
+        with cache._lock:
+            for job in jobs:
+                moves.commit_promotion(cache, job.plan, error is None)
+        if error is not None:
+            for job in jobs:
+                job.readiness.fail(error)
+
+    def _copy_down(self, job: _Job, stream) -> None:
+        """A write-through copy job."""
+        cache = self.cache
+        pools = [t.pool for t in cache.tiers]
+        error = self._attempt(job.kind, lambda: execute(job.plan, pools), stream)
+        self._sync(stream)
+        with cache._lock:
+            moves.commit_copy_down(cache, job.plan, error is None)
 
     def _watch(self) -> None:
         """Demote above the high watermark down to the low one, batch by batch.
