@@ -171,7 +171,7 @@ def test_growth_past_max_num_blocks_or_memory_is_refused(monkeypatch):
     with pytest.raises(CapacityError, match="exceed max_num_blocks 16"):
         cache.resize("gpu", 17)
     assert cache.resize("gpu", 16) == 16
-    monkeypatch.setattr("tiered_cache.storage._available_bytes", lambda: 1000)
+    monkeypatch.setattr("tiered_cache.storage._available_bytes", lambda device: 1000)
     with pytest.raises(CapacityError, match="more bytes of memory but only 1,000"):
         cache.resize("host", 10_000)
     check_invariants(cache)
@@ -291,5 +291,34 @@ def test_cuda_device_pool_refuses_to_resize_and_pinned_host_resizes():
     cache.resize("host", 4)
     check_invariants(cache)
     for p in ps[-2:]:
+        assert cached_tokens(cache, p) in (0, len(p))
+    cache.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_resizable_cuda_device_pool_grows_and_shrinks_with_data_intact():
+    pytest.importorskip("cuda.bindings", reason="needs the cuda extra (cuda-python)")
+    cache = TieredKVCache(CacheConfig.from_dict({
+        "block_size": BS, "model": {"num_layers": 3, "num_kv_heads": 1, "head_dim": 4},
+        "tiers": {"gpu": {"device": "cuda", "num_blocks": 16, "resizable": True,
+                          "max_num_blocks": 4096},
+                  "host": {"num_blocks": 64}},
+        "migrator": {"enabled": False}, "compactor": {"enabled": False}}))
+    gpu = cache.tiers[0]
+    assert gpu.pool.resizable and gpu.pool.kv.is_cuda
+    ps = prompts(6)
+    for p in ps:
+        cache_prompt(cache, p)
+    cache.resize("gpu", 2048)
+    for p in ps:
+        assert cached_tokens(cache, p) == len(p)
+    more = prompts(200, base=10**6)
+    for p in more:
+        cache_prompt(cache, p)
+    assert gpu.allocator.num_used > 16
+    cache.resize("gpu", 8)
+    check_invariants(cache)
+    for p in ps + more[-3:]:
         assert cached_tokens(cache, p) in (0, len(p))
     cache.shutdown()

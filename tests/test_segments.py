@@ -106,3 +106,97 @@ def test_defaults():
     assert default_segment_slots(1 << 30, 10) == 1
     total = psutil.virtual_memory().total
     assert default_max_slots(1 << 20, 4) == max(4, total >> 20)
+
+
+def test_alignment_rounds_segments_and_planes_to_whole_units():
+    # 3 planes of 96-byte slots with 4 KiB mapping units: 128 slots fill a unit exactly
+    st = SegmentedTensor((3,), (24,), torch.float32, num_slots=10, max_slots=200,
+                         segment_slots=5, where="tiers.x", align=4096)
+    assert st.segment_slots == 128 and st.max_slots == 256
+    assert st.plane_stride % 4096 == 0
+    assert all(start % 4096 == 0 and length % 4096 == 0 for start, length in st._ranges(1))
+
+
+class FakeDriver:
+    """The slice of cuda-python's driver API that cuda_vmm uses, recording every call."""
+
+    class _Obj:
+        def __init__(self) -> None:
+            self.location = FakeDriver._Loc()
+
+    class _Loc:
+        type = id = None
+
+    class _Enum:
+        def __getattr__(self, name: str) -> str:
+            return name
+
+    CUmemAllocationProp = CUmemAccessDesc = _Obj
+    CUmemAllocationType = CUmemLocationType = CUmemAccess_flags = _Enum()
+    CUmemAllocationGranularity_flags = _Enum()
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.mapped: dict[int, int] = {}
+        self.fail_map = False
+        self.handles = 0
+
+    def cuMemGetAllocationGranularity(self, prop, flag):
+        return 0, 4096
+
+    def cuMemAddressReserve(self, size, align, addr, flags):
+        self.calls.append(("reserve", size))
+        return 0, 1 << 40
+
+    def cuMemCreate(self, length, prop, flags):
+        self.handles += 1
+        self.calls.append(("create", length))
+        return 0, self.handles
+
+    def cuMemMap(self, ptr, length, offset, handle, flags):
+        if self.fail_map:
+            return (2,)                 # CUDA_ERROR_OUT_OF_MEMORY
+        self.mapped[ptr] = length
+        return (0,)
+
+    def cuMemSetAccess(self, ptr, length, descs, count):
+        return (0,)
+
+    def cuMemsetD8(self, ptr, value, length):
+        return (0,)
+
+    def cuMemUnmap(self, ptr, length):
+        del self.mapped[ptr]
+        return (0,)
+
+    def cuMemRelease(self, handle):
+        self.calls.append(("release", handle))
+        return (0,)
+
+    def cuMemAddressFree(self, ptr, size):
+        return (0,)
+
+
+def test_cuda_reservation_maps_and_unmaps_per_range_and_rolls_back(monkeypatch):
+    """The bookkeeping of the CUDA virtual memory path against a fake driver (the real one is
+    exercised by the gpu-marked tests)."""
+    from tiered_cache import cuda_vmm
+    from tiered_cache.errors import TierUnavailableError
+
+    fake = FakeDriver()
+    monkeypatch.setattr(cuda_vmm, "_driver", lambda: fake)
+    monkeypatch.setattr(cuda_vmm, "_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    res = cuda_vmm.CudaReservation(10_000, device=torch.device("cpu"))
+    assert res.align == 4096 and fake.calls == [("reserve", 12_288)]
+    res.back(0, 4096)
+    res.back(4096, 8192)
+    assert fake.mapped == {1 << 40: 4096, (1 << 40) + 4096: 8192}
+    res.release(4096, 8192)
+    assert fake.mapped == {1 << 40: 4096} and ("release", 2) in fake.calls
+    res.release(4096, 8192)                       # already released: nothing happens
+    fake.fail_map = True
+    with pytest.raises(TierUnavailableError, match="CUDA driver call failed"):
+        res.back(4096, 4096)
+    assert ("release", 3) in fake.calls           # the handle of the failed map is freed
+    assert fake.mapped == {1 << 40: 4096}

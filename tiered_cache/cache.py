@@ -139,7 +139,8 @@ class TieredKVCache:
             if self.has_storage:
                 pool = make_pool(name, n, device=self.device, memory=config.tiers.host.memory,
                                  max_slots=tcfg.max_num_blocks,
-                                 segment_slots=tcfg.segment_blocks, **geometry)
+                                 segment_slots=tcfg.segment_blocks,
+                                 resizable=getattr(tcfg, "resizable", False), **geometry)
             policy = policy_cls(n, block_size=self.block_size, cost_context_tokens=cost_ctx)
             tiers.append(Tier(name, len(tiers), SlotAllocator(n), policy, pool))
         return tiers

@@ -267,11 +267,16 @@ class GpuTierConfig(_Section, _TierSize):
     segment_blocks: int | None = None
     """Blocks per memory segment: resize backs and frees memory in these steps. null: about
     64 MiB of KV."""
+    resizable: bool = False
+    """CUDA only: lay the device pool over reserved device addresses mapped segment by segment
+    (CUDA virtual memory API; needs the `cuda` extra), so cache.resize works on it. Off: one
+    allocation. A device tier in CPU memory is always resizable."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
             raise ConfigError(self._key("device"),
                               f"expected one of {DEVICES_HINT}, got {self.device!r}")
+        _bool(self._key("resizable"), self.resizable)
         self._check_size(min_blocks=1)
 
 
@@ -573,6 +578,7 @@ tiers:
     num_blocks: 256       # or capacity: "40GiB" / "70%" of free memory (exactly one of the two)
     max_num_blocks: null  # cache.resize ceiling (address space only); null: physical memory
     segment_blocks: null  # resize backs/frees memory in segments of this many blocks (~64 MiB)
+    resizable: false      # CUDA: map the pool per segment (virtual memory API) so it can resize
   host:
     num_blocks: 1024      # or capacity; 0 means no host tier
     memory: pinned        # pinned | managed | pageable (pinned: pageable without CUDA)

@@ -11,8 +11,10 @@ copies nothing.
   `madvise(MADV_DONTNEED)` returns them (they read as zeros afterwards). With CUDA and
   `memory: pinned`, each segment is page-locked with `cudaHostRegister` when it is backed and
   unregistered before its memory goes back.
-- The device tier on CUDA: resize needs the driver's virtual memory API, which this build does
-  not drive yet; such a pool has a fixed size (see docs/architecture.md).
+- The device tier on CUDA with `tiers.gpu.resizable: true`: the driver's virtual memory API
+  (`cuda_vmm.CudaReservation`: `cuMemAddressReserve` once, then `cuMemCreate` + `cuMemMap` per
+  segment and plane, `cuMemUnmap` + `cuMemRelease` to give it back). Ranges must then be
+  multiples of the allocation granularity (2 MiB), which sizes the segments.
 
 A segment is a run of slots in every *plane* of the pool's layout: one range per layer and K/V
 for a layer-major device pool, one range for a block-major host pool.
@@ -20,7 +22,9 @@ for a layer-major device pool, one range for a block-major host pool.
 
 from __future__ import annotations
 
+import math
 import mmap
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -82,8 +86,9 @@ class SegmentedTensor:
     """
 
     def __init__(self, outer: tuple[int, ...], inner: tuple[int, ...], dtype: torch.dtype, *,
-                 num_slots: int, max_slots: int, segment_slots: int, pinned: bool,
-                 where: str) -> None:
+                 num_slots: int, max_slots: int, segment_slots: int, where: str,
+                 pinned: bool = False, reserve: Callable[[int], object] | None = None,
+                 align: int = 1) -> None:
         if max_slots < num_slots:
             raise CapacityError(f"{where}: max_num_blocks {max_slots:,} is below num_blocks "
                                 f"{num_slots:,}")
@@ -91,15 +96,24 @@ class SegmentedTensor:
         self.outer, self.inner, self.dtype = outer, inner, dtype
         self.planes = _prod(outer)
         self.slot_bytes = _prod(inner) * elt
+        # Every range backed or freed is a whole number of `align` bytes: segments hold a
+        # multiple of `unit` slots, and planes start on a segment boundary.
+        unit = align // math.gcd(align, self.slot_bytes)
+        self.segment_slots = -(-max(1, segment_slots) // unit) * unit
+        if align > 1:
+            max_slots = -(-max_slots // self.segment_slots) * self.segment_slots
         self.max_slots = max_slots
         self.plane_stride = max_slots * self.slot_bytes
-        self.segment_slots = max(1, segment_slots)
         self.where = where               # for error messages: "tiers.host"
-        self.reservation = HostReservation(self.planes * self.plane_stride, pinned=pinned)
-        self.full = (self.reservation.bytes.view(dtype)
-                     .view(*outer, max_slots, *inner))
+        nbytes = self.planes * self.plane_stride
+        self.reservation = (reserve(nbytes) if reserve is not None
+                            else HostReservation(nbytes, pinned=pinned))
         self.backed_segments = 0
         self.grow(num_slots)
+        # NOTE: the view is taken once the first segment is backed (a CUDA array interface
+        # over an address with nothing mapped yet is refused).
+        self.full = (self.reservation.bytes.view(dtype)
+                     .view(*outer, max_slots, *inner))
 
     def view(self, slots: int) -> torch.Tensor:
         return self.full[(slice(None),) * len(self.outer) + (slice(0, slots),)]

@@ -10,8 +10,9 @@
 
 Pools in host memory (the host tier, and the device tier without CUDA) are resizable: their
 tensors lie over address space reserved for `max_slots` and are backed segment by segment
-(`tiered_cache.segments`), so `resize` neither moves nor copies a slot. A CUDA device pool and a
-`managed` host pool have a fixed size.
+(`tiered_cache.segments`), so `resize` neither moves nor copies a slot. A CUDA device pool is
+resizable the same way with `tiers.gpu.resizable: true` (the CUDA virtual memory API,
+`tiered_cache.cuda_vmm`), and one allocation otherwise; a `managed` host pool is fixed.
 
 The pools execute copies; they never decide what to copy (that is the control plane's job).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -44,15 +46,30 @@ class _Pool:
     _segmented: list[tuple[str, SegmentedTensor, float]]
 
     def _reserve(self, outer: tuple[int, ...], inner: tuple[int, ...], num_slots: int,
-                 max_slots: int | None, segment_slots: int | None, pinned: bool) -> None:
+                 max_slots: int | None, segment_slots: int | None, pinned: bool = False,
+                 device: torch.device | None = None) -> None:
+        """Lay the pool over reserved memory (see segments.py): host memory, or with `device`
+        the CUDA virtual memory API."""
         slot_bytes = _prod(outer) * _prod(inner) * self.kv_dtype.itemsize
-        self.max_slots = default_max_slots(slot_bytes, num_slots) if max_slots is None \
-            else max_slots
+        reserve, align = None, 1
+        if device is not None:
+            from tiered_cache import cuda_vmm
+            reserve = partial(cuda_vmm.CudaReservation, device=device)
+            align = cuda_vmm.granularity(device)
+            total = torch.cuda.get_device_properties(device).total_memory
+            default_max = max(num_slots, total // max(1, slot_bytes))
+        else:
+            default_max = default_max_slots(slot_bytes, num_slots)
+        self.max_slots = default_max if max_slots is None else max_slots
         seg = segment_slots or default_segment_slots(slot_bytes, num_slots)
+
+        def reserve_kv(max_slots: int) -> SegmentedTensor:
+            return SegmentedTensor(outer, inner, self.kv_dtype, num_slots=num_slots,
+                                   max_slots=max_slots, segment_slots=seg, pinned=pinned,
+                                   reserve=reserve, align=align, where=self.where)
+
         try:
-            kv = SegmentedTensor(outer, inner, self.kv_dtype, num_slots=num_slots,
-                                 max_slots=self.max_slots, segment_slots=seg, pinned=pinned,
-                                 where=self.where)
+            kv = reserve_kv(self.max_slots)
         except OSError as exc:
             if max_slots is not None or self.max_slots == num_slots:
                 raise TierUnavailableError(f"{self.where}: cannot reserve address space for "
@@ -61,17 +78,23 @@ class _Pool:
             # to the starting size, which can still shrink and grow back.
             log.warning("%s: cannot reserve %d blocks of address space (%s); max_num_blocks "
                         "falls back to %d", self.where, self.max_slots, exc, num_slots)
-            self.max_slots = num_slots
-            kv = SegmentedTensor(outer, inner, self.kv_dtype, num_slots=num_slots,
-                                 max_slots=num_slots, segment_slots=seg, pinned=pinned,
-                                 where=self.where)
+            kv = reserve_kv(num_slots)
+        self.max_slots = kv.max_slots          # rounded up to whole segments on CUDA
         self._segmented = [("kv", kv, 0.0)]
         if self.kv_dtype == FP8:
             # FP8: one float32 scale per (layer, K|V, slot), laid out like the pool
             dims = (outer, ()) if outer else ((), inner[:2])
-            scales = SegmentedTensor(dims[0], dims[1], torch.float32, num_slots=num_slots,
-                                     max_slots=self.max_slots, segment_slots=seg,
-                                     pinned=pinned, where=self.where)
+            if device is not None:
+                # NOTE: 4 bytes per plane and slot cannot fill 2 MiB mapping units in useful
+                # steps; at 1/8192 of the KV bytes the scales are simply allocated for
+                # max_slots up front.
+                scales = WholeTensor(torch.ones((*dims[0], self.max_slots, *dims[1]),
+                                                dtype=torch.float32, device=device),
+                                     len(dims[0]))
+            else:
+                scales = SegmentedTensor(dims[0], dims[1], torch.float32, num_slots=num_slots,
+                                         max_slots=self.max_slots, segment_slots=kv.segment_slots,
+                                         pinned=pinned, where=self.where)
             self._segmented.append(("scales", scales, 1.0))
         self._set_views(num_slots, fill_from=0)
 
@@ -94,7 +117,7 @@ class _Pool:
                                 f"{self.max_slots:,}")
         need = sum(mem.bytes_for(num_slots) for _, mem, _ in self._segmented)
         if need:
-            avail = _available_bytes()
+            avail = _available_bytes(self.kv.device)
             if need > avail:
                 raise CapacityError(f"{self.where}: growing to {num_slots:,} blocks needs "
                                     f"{need:,} more bytes of memory but only {avail:,} are "
@@ -137,19 +160,23 @@ class DevicePool(_Pool):
 
     def __init__(self, num_slots: int, num_layers: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: str, *,
-                 max_slots: int | None = None, segment_slots: int | None = None) -> None:
+                 max_slots: int | None = None, segment_slots: int | None = None,
+                 resizable: bool = False) -> None:
         self.device = torch.device(device)
         self.block_size = block_size
         self.kv_dtype = dtype
         self.scales = None
         self._segmented = []
+        geometry = ((num_layers, 2), (block_size, num_kv_heads, head_dim), num_slots,
+                    max_slots, segment_slots)
         if self.device.type == "cpu":
-            self._reserve((num_layers, 2), (block_size, num_kv_heads, head_dim), num_slots,
-                          max_slots, segment_slots, pinned=False)
+            self._reserve(*geometry)
             return
-        # NOTE: growing a CUDA pool in place needs the driver's virtual memory API (reserve,
-        # then map physical chunks); until that is driven here the device pool is fixed.
-        self._fixed_reason = "a CUDA device pool is allocated once"
+        if resizable:                   # the CUDA virtual memory API (cuda_vmm.py)
+            self._reserve(*geometry, device=self.device)
+            return
+        self._fixed_reason = ("a CUDA device pool is allocated once unless tiers.gpu.resizable "
+                              "is true")
         self.max_slots = num_slots
         self.kv = torch.zeros((num_layers, 2, num_slots, block_size, num_kv_heads, head_dim),
                               dtype=dtype, device=self.device)
@@ -275,6 +302,26 @@ def _managed_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.as_tensor(buf, device="cuda").view(dtype).view(*shape)
 
 
+class WholeTensor:
+    """A tensor allocated for max_slots at once, with SegmentedTensor's interface (for the
+    small per-slot tables that ride along with a segmented pool)."""
+
+    def __init__(self, full: torch.Tensor, slot_dim: int) -> None:
+        self.full, self.slot_dim = full, slot_dim
+
+    def view(self, slots: int) -> torch.Tensor:
+        return self.full.narrow(self.slot_dim, 0, slots)
+
+    def bytes_for(self, slots: int) -> int:
+        return 0
+
+    def grow(self, slots: int) -> None:
+        pass                            # nothing to back: allocated whole
+
+    def shrink(self, slots: int) -> None:
+        pass
+
+
 def _prod(xs: Sequence[int]) -> int:
     out = 1
     for x in xs:
@@ -282,17 +329,22 @@ def _prod(xs: Sequence[int]) -> int:
     return out
 
 
-def _available_bytes() -> int:
+def _available_bytes(device: torch.device) -> int:
+    """Memory a grow may take: free device memory for a CUDA pool, else available host RAM."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     import psutil
     return psutil.virtual_memory().available
 
 
 def make_pool(kind: str, num_slots: int, *, num_layers: int, block_size: int, num_kv_heads: int,
               head_dim: int, dtype: str, device: str = "cpu", memory: str = "pageable",
-              max_slots: int | None = None, segment_slots: int | None = None):
+              max_slots: int | None = None, segment_slots: int | None = None,
+              resizable: bool = False):
     torch_dtype = TORCH_DTYPES[dtype]
     if kind == "gpu":
         return DevicePool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype,
-                          device, max_slots=max_slots, segment_slots=segment_slots)
+                          device, max_slots=max_slots, segment_slots=segment_slots,
+                          resizable=resizable)
     return HostPool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype, memory,
                     max_slots=max_slots, segment_slots=segment_slots)
