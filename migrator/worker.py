@@ -219,7 +219,7 @@ class Migrator:
                     plan = None
                     if not self._stop.is_set():
                         with cache._lock:
-                            plan = self._plan_demotion(gpu, len(pending[0]) if pending else 0)
+                            plan = self._plan_demotion(gpu, pending[0] if pending else None)
                     if pending is not None:
                         error = pending[1].result()
                         with cache._lock:
@@ -234,11 +234,13 @@ class Migrator:
         finally:
             copier.shutdown(wait=True)
 
-    def _plan_demotion(self, gpu, in_flight: int) -> list[Transfer] | None:
+    def _plan_demotion(self, gpu, pending: list[Transfer] | None) -> list[Transfer] | None:
         """The next demotion batch, or None when the watermark is met (called under the
-        lock; `in_flight` blocks of an uncommitted batch are already on their way)."""
+        lock; the blocks of the `pending` batch, not committed yet, are already on their
+        way)."""
         cfg = self.config
         cap = gpu.capacity_blocks
+        in_flight = len(pending) if pending else 0
         used = gpu.used_blocks - in_flight
         excess = used - int(cfg.low_watermark * cap)
         if used <= cfg.high_watermark * cap and not self._lowering:
@@ -247,7 +249,7 @@ class Migrator:
             self._lowering = False
             return None
         self._lowering = True
-        plan = moves.plan_demotion(self.cache, min(excess, cfg.batch_blocks))
+        plan = moves.plan_demotion(self.cache, min(excess, cfg.batch_blocks), pending)
         if not plan and not in_flight:
             self._lowering = False          # everything left is pinned: nothing to demote
         return plan
@@ -307,9 +309,10 @@ class Migrator:
 
 
 def _warm_up_host_copy() -> None:
-    """Compile the CPU block copier (kernels/host_copy.py, ~0.3 s) on a worker thread when the
-    cache starts, not on the first demotion."""
+    """Compile the CPU block copier (kernels/host_copy.py, ~0.3 s) and start its thread pool
+    on a worker thread when the cache starts, not on the first demotion."""
     try:
-        from tiered_cache.kernels import host_copy  # noqa: F401
+        from tiered_cache.kernels import host_copy
     except ImportError:                 # numba missing: copies use the torch twin
-        pass
+        return
+    host_copy.warm_up()

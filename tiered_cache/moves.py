@@ -45,11 +45,16 @@ def _end(b: Block, cache: TieredKVCache) -> None:
 
 
 # ---------------------------------------------------------------- demotion (watermark)
-def plan_demotion(cache: TieredKVCache, n: int) -> list[Transfer]:
+def plan_demotion(cache: TieredKVCache, n: int,
+                  after: list[Transfer] | None = None) -> list[Transfer]:
     """Pick up to n device victims by policy. Those already held by host are released at once;
-    the rest get a host slot and a copy (or are dropped when host has no room left)."""
+    the rest get a host slot and a copy (or are dropped when host has no room left).
+
+    `after`: a demotion batch still copying. The parents it leaves behind come first (see
+    `_chain_tops`): long chains keep moving while the previous batch is in flight."""
     gpu = cache.tiers[GPU]
-    victims = gpu.policy.victims(n)
+    victims = _chain_tops(after, n) if after else []
+    victims += gpu.policy.victims(n - len(victims))
     for v in victims:
         v.candidate[GPU] = False
     _extend_chains(victims, n)
@@ -77,6 +82,32 @@ def plan_demotion(cache: TieredKVCache, n: int) -> list[Transfer]:
         if v.fastest_tier() < 0:
             cache.counters["dropped_blocks"] += cache._drop_subtree(v)
     return plan
+
+
+def _chain_tops(batch: list[Transfer], n: int) -> list[Block]:
+    """Parents that a demotion batch in flight leaves as the bottom of their chain: published,
+    unpinned, not in flight, on the device, and every device-resident child in that batch.
+
+    NOTE: they are not candidates yet (their children still hold device slots until the batch
+    commits), so the policy cannot offer them; the next batch would wait for the commit and
+    pipelining would stall on long chains. Taking them is `_extend_chains` across batches: a
+    parent used only through the chain was last used with it. Commits run in batch order, so
+    the children still leave the device first.
+    """
+    moving = {t.block.id for t in batch}
+    tops: list[Block] = []
+    seen: set[int] = set()
+    for t in batch:
+        p = t.block.parent
+        if p is None or p.id in moving or p.id in seen or len(tops) >= n:
+            continue
+        seen.add(p.id)
+        if p.key is None or p.ref_count or p.in_flight or p.candidate[GPU] \
+                or p.slots[GPU] == NO_SLOT:
+            continue
+        if all(c.slots[GPU] == NO_SLOT or c.id in moving for c in p.children.values()):
+            tops.append(p)
+    return tops
 
 
 def _extend_chains(victims: list[Block], n: int) -> None:
