@@ -388,3 +388,34 @@ def test_synchronous_moves_roll_back_a_failed_copy(monkeypatch):
     cache.close(seq)
     check_invariants(cache)
     cache.shutdown()
+
+
+def test_demotion_batches_of_one_long_chain_pipeline_in_chain_order():
+    """While a batch of a chain is in flight its parents are not candidates yet; the next
+    batch starts from them anyway (moves._chain_tops), and committing in batch order keeps
+    leaves leaving first."""
+    from tiered_cache import moves
+    from tiered_cache.transfer import execute
+
+    cache = make(16, 32, migrator={"enabled": False})
+    prompt = list(range(12 * BS))
+    cache_prompt(cache, prompt)
+    with cache.locked():
+        chain = [cache.index[k] for k in keys_of(cache, prompt)]
+        first = moves.plan_demotion(cache, 4)
+        assert {t.block.id for t in first} == {b.id for b in chain[8:]}
+        second = moves.plan_demotion(cache, 4, after=first)
+        assert {t.block.id for t in second} == {b.id for b in chain[4:8]}
+        assert cache.tiers[0].policy.victims(1) == []      # nothing else is evictable now
+    pools = [t.pool for t in cache.tiers]
+    for batch in (first, second):
+        execute(batch, pools)
+        with cache.locked():
+            moves.commit_demotion(cache, batch, True)
+            check_invariants(cache)
+    assert all(b.slots[0] == -1 and b.slots[1] >= 0 for b in chain[4:])
+    seq = cache.open(prompt)
+    assert seq.num_cached_tokens == len(prompt)
+    check_data(cache, seq, prompt)
+    cache.close(seq)
+    cache.shutdown()
