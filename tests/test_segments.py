@@ -200,3 +200,33 @@ def test_cuda_reservation_maps_and_unmaps_per_range_and_rolls_back(monkeypatch):
         res.back(4096, 4096)
     assert ("release", 3) in fake.calls           # the handle of the failed map is freed
     assert fake.mapped == {1 << 40: 4096}
+
+
+def test_pinned_segments_are_registered_as_whole_pages(monkeypatch):
+    """Each pinned segment is page-locked on its own (cudaHostRegister); two registrations
+    sharing a page would fail, so segment ranges are whole pages, for KV and FP8 scales."""
+    from tiered_cache.segments import PAGE
+
+    registered: list[tuple[int, int]] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            registered.append((ptr, size))
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            registered[:] = [r for r in registered if r[0] != ptr]
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    # 384-byte blocks and 24 bytes of scales per block: neither divides a page
+    pool = make_pool("host", 16, num_layers=3, block_size=4, num_kv_heads=1, head_dim=4,
+                     dtype="fp8_e4m3", memory="pinned", max_slots=4096, segment_slots=16)
+    assert pool.memory == "pinned"
+    pool.resize(600)
+    assert registered and all(p % PAGE == 0 and n % PAGE == 0 for p, n in registered)
+    pages = [set(range(p // PAGE, (p + n) // PAGE)) for p, n in registered]
+    assert sum(map(len, pages)) == len(set().union(*pages))      # no page registered twice
+    pool.resize(16)
+    assert len(registered) == 2                   # the first segment of KV and of scales

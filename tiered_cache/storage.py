@@ -26,7 +26,12 @@ from functools import partial
 import torch
 
 from tiered_cache.errors import CapacityError, TierUnavailableError
-from tiered_cache.segments import SegmentedTensor, default_max_slots, default_segment_slots
+from tiered_cache.segments import (
+    PAGE,
+    SegmentedTensor,
+    default_max_slots,
+    default_segment_slots,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +56,9 @@ class _Pool:
         """Lay the pool over reserved memory (see segments.py): host memory, or with `device`
         the CUDA virtual memory API."""
         slot_bytes = _prod(outer) * _prod(inner) * self.kv_dtype.itemsize
-        reserve, align = None, 1
+        # NOTE: pinned segments are page-locked one by one (cudaHostRegister), and two
+        # registrations must not share a page: their ranges are whole pages.
+        reserve, align = None, (PAGE if pinned else 1)
         if device is not None:
             from tiered_cache import cuda_vmm
             reserve = partial(cuda_vmm.CudaReservation, device=device)
@@ -94,7 +101,7 @@ class _Pool:
             else:
                 scales = SegmentedTensor(dims[0], dims[1], torch.float32, num_slots=num_slots,
                                          max_slots=self.max_slots, segment_slots=kv.segment_slots,
-                                         pinned=pinned, where=self.where)
+                                         pinned=pinned, align=align, where=self.where)
             self._segmented.append(("scales", scales, 1.0))
         self._set_views(num_slots, fill_from=0)
 
