@@ -322,3 +322,27 @@ def test_resizable_cuda_device_pool_grows_and_shrinks_with_data_intact():
     for p in ps + more[-3:]:
         assert cached_tokens(cache, p) in (0, len(p))
     cache.shutdown()
+
+
+def test_a_large_shrink_evicts_in_bounded_rounds(monkeypatch):
+    """Each lock hold of a shrink evicts at most _MOVES_PER_ROUND blocks."""
+    from tiered_cache import resize as resize_mod
+
+    monkeypatch.setattr(resize_mod, "_MOVES_PER_ROUND", 8)
+    cache = make(60, 0, migrator={"enabled": False})
+    for p in prompts(30):
+        cache_prompt(cache, p)
+    gpu = cache.tiers[0]
+    rounds: list[int] = []
+    real = cache._evict
+
+    def counting(t, n, need=None):
+        before = gpu.evictions
+        real(t, n, need=need)
+        rounds.append(gpu.evictions - before)
+
+    monkeypatch.setattr(cache, "_evict", counting)
+    cache.resize("gpu", 4)
+    check_invariants(cache)
+    assert len(rounds) >= 7 and max(rounds) <= 8 and sum(rounds) == 56
+    cache.shutdown()

@@ -121,13 +121,21 @@ def _shrink(cache: TieredKVCache, tier: Tier, n: int, timeout: float | None) -> 
 
 
 def _make_room(cache: TieredKVCache, tier: Tier) -> str:
-    """Evict while the tail's blocks outnumber the free slots below the limit. Returns what the
-    remaining tail blocks wait for (for the timeout message)."""
+    """Evict (up to `_MOVES_PER_ROUND` blocks) while the tail's blocks outnumber the free
+    slots below the limit. Returns what the remaining tail blocks wait for (for the timeout
+    message)."""
     alloc = tier.allocator
+    free0, draining0 = alloc.num_free, alloc.draining
+
+    def need() -> int:
+        # A victim below the limit frees a slot there; one in the tail needs none. Either way
+        # it counts against this round's budget.
+        freed = (alloc.num_free - free0) + (draining0 - alloc.draining)
+        return min(alloc.draining - alloc.num_free, _MOVES_PER_ROUND - freed)
+
     try:
-        if alloc.num_free < alloc.draining:
-            # A victim below the limit frees a slot there; one in the tail needs none.
-            cache._evict(tier.index, 0, need=lambda: alloc.draining - alloc.num_free)
+        if need() > 0:
+            cache._evict(tier.index, 0, need=need)
     except CapacityError:
         return "pinned by open sequences or in flight, and nothing else can be evicted"
     return "pinned by open sequences or in flight"
