@@ -194,9 +194,10 @@ class Migrator:
     def _watch(self) -> None:
         """Demote above the high watermark down to the low one, batch by batch.
 
-        NOTE: pipelined: while batch k copies on the copier thread, this thread commits batch
-        k - 1 and plans batch k + 1, so the Python work of planning and committing hides
-        behind the copies. At most one batch copies at a time; the blocks of a batch in flight
+        NOTE: pipelined: while batch k copies on the copier thread, this thread plans batch
+        k + 1 (starting from the chain parents batch k leaves behind, see
+        moves.plan_demotion), then commits k as soon as it lands and starts k + 1, so planning
+        hides behind the copies. One batch copies at a time; the blocks of a batch in flight
         still hold device slots, so they are subtracted from the excess.
         """
         cache = self.cache
