@@ -13,6 +13,7 @@ from tiered_cache.policies import (
     POLICIES,
     ARCPolicy,
     CachePolicy,
+    ClassCreditPolicy,
     CostAwarePolicy,
     LFUPolicy,
     LRUPolicy,
@@ -47,7 +48,7 @@ def ids(blocks: list[Block]) -> list[int]:
 
 def test_registry_names_all_policies():
     assert set(POLICIES) == {"lru", "lfu", "cost_aware", "s3fifo", "arc", "belady",
-                             "reuse_credit"}
+                             "reuse_credit", "class_credit"}
     for name, cls in POLICIES.items():
         assert resolve(name) is cls
         assert cls.name == name
@@ -548,3 +549,73 @@ def test_ghosts_remember_content_not_block_objects(name):
     stranger.key = b"o" * 16
     p.insert(stranger)
     assert stranger.id not in frequent                  # no history: probation / T1
+
+
+# --- class_credit -------------------------------------------------------------------------------
+
+
+def keyed(i: int, depth: int = 0, last_access: int = 0, parent: Block | None = None) -> Block:
+    b = mk(i, depth=depth, last_access=last_access)
+    b.key = i.to_bytes(16, "little")
+    b.parent = parent
+    return b
+
+
+def test_class_credit_dead_tails_go_first_once_measured():
+    p = ClassCreditPolicy(capacity_blocks=4)
+    # Before anything is measured a tail is an ordinary block: LRU order.
+    body, tail = keyed(1, last_access=5), keyed(2, depth=1, last_access=9)
+    p.insert(keyed(3, depth=1, last_access=5, parent=body))   # body has had a child
+    p.remove(p.victims(1)[0])
+    p.insert(body)
+    p.insert(tail)
+    assert ids(p.victims(2)) == [1, 2]
+    # Eight requests of two blocks: the tail (no child, never hit) is evicted and never comes
+    # back; the block before it is evicted and its content comes back (the next turn).
+    for r in range(8):
+        parent = keyed(100 + r)
+        child = keyed(200 + r, depth=1, parent=parent)
+        p.insert(child)
+        assert p.victims(1) == [child]
+        p.insert(parent)
+        assert p.victims(1) == [parent]
+        again = keyed(100 + r)              # same content, new block: a ghost return
+        p.insert(again)
+        assert p.victims(1) == [again]
+    assert p.tails_dead()
+    # Now a tail goes before an older body block, unless it was hit.
+    old = keyed(300, last_access=100)
+    p.insert(keyed(301, depth=1, last_access=100, parent=old))
+    p.victims(1)
+    p.insert(old)
+    new_tail = keyed(302, depth=1, last_access=200)
+    p.insert(new_tail)
+    assert p.victims(1) == [new_tail]
+    hit_tail = keyed(303, depth=1, last_access=200)
+    p.insert(hit_tail)
+    hit(p, hit_tail, 201)                   # used twice: an ordinary block again
+    assert p.victims(1) == [old]
+    assert p.victims(1) == [hit_tail] and len(p) == 0
+
+
+def test_class_credit_scales_credit_by_measured_odds():
+    p = ClassCreditPolicy(8)
+    b = Block(id=1, depth=0, num_tiers=1)
+    b.hits, b.inserted_at, b.last_access = 3, 10, 200       # 4 uses: class 2 * 3
+    assert p.credit(b) == 0.0               # no lifetime measured yet: LRU
+    p._lifetime = 8.0
+    p._cls[1] = 6
+    assert p.odds(6) < 1.0
+    assert p.credit(b) == pytest.approx(16.0)               # no trials: reuse_credit's credit
+    p._trials[6], p._succ[6] = 9.0, 9.0     # the class: 9 reused of 9
+    p._all_trials, p._all_succ = 98.0, 24.0  # the tier: mean (24 + 1) / (98 + 2) = 0.25
+    r = (9 + 0.25) / 10                     # shrunk by one pseudo-trial at the mean
+    k = (r - (r * (1 - r) / 10) ** 0.5) / 0.25              # one standard error low: 3.37
+    assert p.odds(6) == pytest.approx(k) and k == pytest.approx(3.3668, abs=1e-4)
+    assert p.credit(b) == pytest.approx(16.0 * k)
+    assert p.priority(b) == pytest.approx(200 + 16.0 * k)
+    b.inserted_at = 190                     # 4 uses within 10 ticks: the overdue cap still holds
+    assert p.credit(b) == pytest.approx(2 * 10 / 3)
+    b.inserted_at = 10
+    p._succ[6] = 0.0                        # a class reused less than average: not below 1x
+    assert p.credit(b) == pytest.approx(16.0)

@@ -52,7 +52,7 @@ LOOP = trace([1], [2], [3], [1], [2], [3])
 
 
 @pytest.mark.parametrize("policy,hits", [("lru", 0), ("lfu", 0), ("belady", 2),
-                                         ("reuse_credit", 0)])
+                                         ("reuse_credit", 0), ("class_credit", 0)])
 def test_loop_larger_than_cache(policy, hits):
     got, _ = per_request_hits(LOOP, policy, gpu=2)
     assert sum(got) == hits
@@ -71,7 +71,8 @@ FREQ = trace([1], [1], [2], [3], [1])
 
 @pytest.mark.parametrize("policy,hits", [("lru", [0, 1, 0, 0, 0]), ("lfu", [0, 1, 0, 0, 1]),
                                          ("belady", [0, 1, 0, 0, 1]),
-                                         ("reuse_credit", [0, 1, 0, 0, 0])])
+                                         ("reuse_credit", [0, 1, 0, 0, 0]),
+                                         ("class_credit", [0, 1, 0, 0, 0])])
 def test_frequency_against_recency(policy, hits):
     got, _ = per_request_hits(FREQ, policy, gpu=2)
     assert got == hits
@@ -84,7 +85,7 @@ def test_frequency_against_recency(policy, hits):
 CHAIN = trace([1, 2, 3], [4, 5, 6], [1, 2, 3])
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "reuse_credit"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "reuse_credit", "class_credit"])
 def test_chains_are_cut_from_the_tail(policy):
     got, _ = per_request_hits(CHAIN, policy, gpu=4)
     assert got == [0, 0, 1]
@@ -108,11 +109,14 @@ def hot_block_rounds(rounds=40):
 
 
 @pytest.mark.parametrize("policy,hits", [("lru", 0), ("lfu", 0), ("arc", 0), ("s3fifo", 0),
-                                         ("reuse_credit", 33), ("belady", 39)])
+                                         ("reuse_credit", 33), ("class_credit", 33),
+                                         ("belady", 39)])
 def test_hot_block_among_one_hit_wonders(policy, hits):
+    # class_credit: every block here is the tail of its request, and tails are measured dead;
+    # block 1 still is not one, because it is used more than once (its uses live in the ghost).
     got, cache = per_request_hits(hot_block_rounds(), policy, gpu=2)
     assert sum(got) == hits
-    if policy == "reuse_credit":
+    if policy in ("reuse_credit", "class_credit"):
         assert got[0::3] == [0] * 7 + [1] * 33
         p = cache.tiers[0].policy
         assert p.lifetime > 0
@@ -269,3 +273,5 @@ def test_reuse_credit_two_tiers_not_below_lru():
     lru = replay(reqs, gpu_blocks=6, host_blocks=6, block_size=BS, policy="lru")
     ours = replay(reqs, gpu_blocks=6, host_blocks=6, block_size=BS, policy="reuse_credit")
     assert ours["hit_blocks"] >= lru["hit_blocks"]
+    cc = replay(reqs, gpu_blocks=6, host_blocks=6, block_size=BS, policy="class_credit")
+    assert cc["hit_blocks"] >= lru["hit_blocks"]

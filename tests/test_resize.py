@@ -250,7 +250,8 @@ def test_shrink_then_grow_while_the_migrator_compactor_and_api_threads_run():
     cache.shutdown()
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "cost_aware", "reuse_credit"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "arc", "s3fifo", "cost_aware", "reuse_credit",
+                                    "class_credit"])
 def test_every_policy_follows_the_new_capacity(policy):
     cache = TieredKVCache(CacheConfig.from_dict({
         "block_size": BS, "storage": "none", "policy": policy,

@@ -57,8 +57,8 @@ MODEL_70B: dict[str, Any] = {
 }
 """Default geometry: Llama-3-70B, bf16 KV (327,680 bytes per token)."""
 
-DEFAULT_POLICY = "reuse_credit"
-"""The policy `replay` uses unless told otherwise (tiered_cache.policies.reuse_credit)."""
+DEFAULT_POLICY = "class_credit"
+"""The policy `replay` uses unless told otherwise (tiered_cache.policies.class_credit)."""
 
 DEFAULT_CAPACITIES = (500, 1000, 2000, 3000, 5000, 10000, 20000)
 DEFAULT_SWEEP_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost_aware", DEFAULT_POLICY, "belady")

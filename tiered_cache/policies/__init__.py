@@ -8,6 +8,7 @@ from tiered_cache.errors import ConfigError
 from tiered_cache.policies.arc import ARCPolicy
 from tiered_cache.policies.base import CachePolicy, PriorityPolicy
 from tiered_cache.policies.belady import BeladyPolicy
+from tiered_cache.policies.class_credit import ClassCreditPolicy
 from tiered_cache.policies.cost_aware import CostAwarePolicy
 from tiered_cache.policies.lfu import LFUPolicy
 from tiered_cache.policies.lru import LRUPolicy
@@ -22,6 +23,7 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "arc": ARCPolicy,
     "belady": BeladyPolicy,
     "reuse_credit": ReuseCreditPolicy,
+    "class_credit": ClassCreditPolicy,
 }
 
 
@@ -48,4 +50,4 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
 
 __all__ = ["CachePolicy", "PriorityPolicy", "POLICIES", "resolve", "LRUPolicy", "LFUPolicy",
            "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy", "BeladyPolicy",
-           "ReuseCreditPolicy"]
+           "ReuseCreditPolicy", "ClassCreditPolicy"]

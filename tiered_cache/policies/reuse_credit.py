@@ -91,6 +91,14 @@ class ReuseCreditPolicy(PriorityPolicy):
         self._update_every = max(16, self._cap // 8)
         self._stale: Block | None = None
 
+    def resize(self, capacity_blocks: int) -> None:
+        # The ghost shrinks lazily (oldest keys go at the next evictions); the lifetime
+        # re-measures itself at the new turnover.
+        super().resize(capacity_blocks)
+        self._cap = max(1, capacity_blocks)
+        self._ghost_limit = GHOST_PER_SLOT * self._cap
+        self._update_every = max(16, self._cap // 8)
+
     # -- the priority -----------------------------------------------------------------------
     def uses(self, block: Block) -> int:
         """Times the block's content was requested (first use, hits here, uses before an
