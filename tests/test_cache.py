@@ -971,3 +971,72 @@ def test_call_racing_with_close_of_its_sequence(op):
     assert isinstance(exc, SequenceClosedError), repr(exc)
     assert cache.stats()["tiers"]["gpu"]["used_blocks"] <= used
     assert cache.stats()["tiers"]["gpu"]["pinned_blocks"] == 0
+
+
+def test_write_copies_without_the_lock_and_refuses_racing_writers(monkeypatch):
+    """While a write copies, other threads use the cache; the same layer written twice at once
+    or a close meanwhile is refused with nothing changed."""
+    import threading
+
+    from tiered_cache.errors import BusySequenceError
+
+    cache = make_cache()
+    pool = cache.tiers[0].pool
+    real = pool.write_tokens
+    entered, release = threading.Event(), threading.Event()
+
+    def slow(layer, index, key, value):
+        entered.set()
+        release.wait(10)
+        real(layer, index, key, value)
+
+    tokens = list(range(2 * cache.block_size))
+    seq = cache.open(tokens)
+    gen = torch.Generator().manual_seed(0)
+    kvs = [random_kv(cache, len(tokens), gen) for _ in range(cache.num_layers)]
+    monkeypatch.setattr(pool, "write_tokens", slow)
+    writer = threading.Thread(target=cache.write, args=(seq, 0, *kvs[0]))
+    writer.start()
+    assert entered.wait(10)
+    other = cache.open([9000 + i for i in range(cache.block_size)])   # the lock is free
+    cache.close(other)
+    with pytest.raises(BusySequenceError, match="layer 0 .* being written"):
+        cache.write(seq, 0, *kvs[0])
+    with pytest.raises(BusySequenceError, match="close: sequence"):
+        cache.close(seq)
+    assert seq.written[0] == 0
+    release.set()
+    writer.join()
+    monkeypatch.setattr(pool, "write_tokens", real)
+    assert seq.written[0] == len(tokens) and not seq.writing
+    for layer in range(1, cache.num_layers):
+        cache.write(seq, layer, *kvs[layer])
+    for layer in range(cache.num_layers):
+        k, v = cache.gather(seq, layer)
+        assert torch.equal(k, kvs[layer][0]) and torch.equal(v, kvs[layer][1])
+    cache.close(seq)
+    seq = cache.open(tokens)
+    assert seq.num_cached_tokens == len(tokens)
+    cache.close(seq)
+    check_invariants(cache)
+
+
+def test_layers_written_from_parallel_threads_publish_once_all_land():
+    import threading
+
+    cache = make_cache(num_layers=4)
+    tokens = list(range(3 * cache.block_size))
+    seq = cache.open(tokens)
+    gen = torch.Generator().manual_seed(1)
+    kvs = [random_kv(cache, len(tokens), gen) for _ in range(cache.num_layers)]
+    threads = [threading.Thread(target=cache.write, args=(seq, layer, *kvs[layer]))
+               for layer in range(cache.num_layers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seq.num_published == 3
+    for layer in range(cache.num_layers):
+        assert torch.equal(cache.gather(seq, layer)[0], kvs[layer][0])
+    cache.close(seq)
+    check_invariants(cache)

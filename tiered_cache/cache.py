@@ -33,6 +33,7 @@ from tiered_cache.allocator import SlotAllocator
 from tiered_cache.block import NO_SLOT, Block
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import (
+    BusySequenceError,
     CapacityError,
     DTypeError,
     LayerError,
@@ -161,8 +162,15 @@ class TieredKVCache:
         for worker in (self.compactor, self.migrator):
             if worker is not None:
                 worker.stop()
+        # Writes copying outside the lock finish first (they hold no lock while copying).
+        deadline = time.monotonic() + 30.0
+        while any(s.writing for s in list(self._open.values())) and \
+                time.monotonic() < deadline:
+            time.sleep(0.001)
         with self._lock:
             for seq in list(self._open.values()):
+                if seq.writing:         # still copying after 30 s: leave it open
+                    continue
                 self.close(seq)
 
     # ------------------------------------------------------------------ public API
@@ -297,12 +305,31 @@ class TieredKVCache:
                 raise ShapeError(f"write: layer {layer} has {start} of {seq.num_tokens} tokens "
                                  f"written; {n} more would pass the declared tokens "
                                  "(append them first)")
-            if self.has_storage and n:
-                index = self._flat_index(seq, start, start + n)
-                pool = self.tiers[GPU].pool
-                pool.write_tokens(layer, index, key.to(pool.kv.device), value.to(pool.kv.device))
-            seq.written[layer] = start + n
-            self._publish_ready(seq)
+            if layer in seq.writing:
+                raise BusySequenceError(f"write: layer {layer} of sequence {seq.id} is being "
+                                        "written by another thread")
+            if not (self.has_storage and n):
+                seq.written[layer] = start + n
+                self._publish_ready(seq)
+                return
+            index = self._flat_index(seq, start, start + n)
+            seq.writing.add(layer)
+        # NOTE: the copy runs without the lock. The slots belong to this sequence's own
+        # blocks past its cached prefix: pinned (never moved, evicted or compacted), private
+        # until every layer is written, and close() refuses while `writing` is set, so no
+        # other thread reads or reuses them meanwhile. Writes to different layers may run in
+        # parallel; publishing waits for the lock again.
+        ok = False
+        try:
+            pool = self.tiers[GPU].pool
+            pool.write_tokens(layer, index, key.to(pool.kv.device), value.to(pool.kv.device))
+            ok = True
+        finally:
+            with self._lock:
+                seq.writing.discard(layer)
+                if ok:
+                    seq.written[layer] = start + n
+                    self._publish_ready(seq)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Metadata-only mode (`storage: none`): treat every declared token as written in every
@@ -368,6 +395,9 @@ class TieredKVCache:
         self._check_open(seq)
         with self._lock:
             self._check_open(seq)
+            if seq.writing:
+                raise BusySequenceError(f"close: sequence {seq.id} is being written by another "
+                                        f"thread (layers {sorted(seq.writing)})")
             self._clock += 1
             # Leaf first, so ties in recency evict the deepest block of a chain first.
             for b in reversed(seq.blocks):

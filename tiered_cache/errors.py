@@ -43,6 +43,11 @@ class SequenceClosedError(TieredCacheError):
     """A sequence was used after `close()`, or belongs to another cache."""
 
 
+class BusySequenceError(TieredCacheError, RuntimeError):
+    """A sequence is being written by another thread: the same layer written twice at once, or
+    a close while a write is under way."""
+
+
 class TierUnavailableError(TieredCacheError):
     """A tier's backing memory cannot be had here (managed memory without CUDA, a device that is
     not present)."""

@@ -38,6 +38,7 @@ class Sequence:
         self.num_published = 0                  # leading blocks that are published (or tried)
         self.chain: Block | None | bool = None  # published block standing for the last one
         self.pending: list = []                 # LayerReadiness of promotions it waits on
+        self.writing: set[int] = set()          # layers with a write() copying right now
         self.closed = False
         self.collided = False                   # open() met a key whose block differed
 
