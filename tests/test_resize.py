@@ -23,6 +23,15 @@ def make(gpu: int, host: int, **kw) -> TieredKVCache:
     return make_on(gpu, host, device="cpu", **kw)
 
 
+def filled(gpu: int, host: int, n: int) -> tuple[TieredKVCache, list[list[int]]]:
+    """A cache without migrator holding `n` cached 2-block prompts, and the prompts."""
+    cache = make(gpu, host, migrator={"enabled": False})
+    ps = prompts(n)
+    for p in ps:
+        cache_prompt(cache, p)
+    return cache, ps
+
+
 def prompts(n: int, blocks: int = 2, base: int = 0) -> list[list[int]]:
     return [[base + p * 1000 + i for i in range(blocks * BS)] for p in range(n)]
 
@@ -85,10 +94,7 @@ def test_shrink_evicts_by_policy_when_the_rest_does_not_fit():
 
 
 def test_shrinking_the_device_tier_demotes_to_host():
-    cache = make(12, 40, migrator={"enabled": False})
-    ps = prompts(6)
-    for p in ps:
-        cache_prompt(cache, p)
+    cache, ps = filled(12, 40, 6)
     cache.resize("gpu", 4)
     check_invariants(cache)
     assert cache.stats()["demotions"] >= 8
@@ -98,10 +104,7 @@ def test_shrinking_the_device_tier_demotes_to_host():
 
 
 def test_pinned_tail_blocks_time_out_and_leave_the_tier_as_it_was():
-    cache = make(12, 0, migrator={"enabled": False})
-    ps = prompts(6)
-    for p in ps:
-        cache_prompt(cache, p)
+    cache, ps = filled(12, 0, 6)
     gpu = cache.tiers[0]
     top = gpu.owner[gpu.allocator.highest_used()]
 
@@ -127,10 +130,7 @@ def test_pinned_tail_blocks_time_out_and_leave_the_tier_as_it_was():
 
 
 def test_a_shrink_waits_for_a_sequence_that_closes_meanwhile():
-    cache = make(12, 0, migrator={"enabled": False})
-    ps = prompts(6)
-    for p in ps:
-        cache_prompt(cache, p)
+    cache, ps = filled(12, 0, 6)
     seqs = [cache.open(p) for p in ps]           # every block pinned
     closer = threading.Timer(0.1, lambda: [cache.close(s) for s in seqs])
     closer.start()

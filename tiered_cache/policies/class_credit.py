@@ -68,6 +68,7 @@ from tiered_cache.policies.reuse_credit import (
     REDUNDANT,
     ReuseCreditPolicy,
     _redundant,
+    uses_and_first,
 )
 
 TAIL = 2.0**38
@@ -137,25 +138,13 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         self._all_succ += 1.0
 
     # -- the priority -----------------------------------------------------------------------
-    def credit(self, block: Block) -> float:
-        prev = self._resumed.get(block.id)
-        if prev is None:
-            if block.hits == 0:
-                return 0.0              # used once: no credit
-            uses, first = block.hits + 1, block.inserted_at
-        else:
-            uses, first = block.hits + 1 + prev[0], prev[1]
-        span = block.last_access - first
-        if span <= 0:
-            return 0.0
-        c = self._lifetime * math.log2(uses)
+    def scale(self, block: Block) -> float:
+        """The measured odds of the block's class, never below 1 (see the module docstring)."""
         cls = self._cls.get(block.id)
-        if cls is not None:
-            k = self.odds(cls)
-            if k > 1.0:
-                c *= k
-        overdue = 2.0 * span / (uses - 1)      # twice the mean interval between its uses
-        return c if c < overdue else overdue
+        if cls is None:
+            return 1.0
+        k = self.odds(cls)
+        return k if k > 1.0 else 1.0
 
     def priority(self, block: Block) -> float:
         if block.hits == 0 and block.id not in self._resumed:
@@ -263,22 +252,8 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         cls = self._cls.pop(bid, 2)
         self._kids.pop(bid, None)
         if block.key is not None:
-            if prev is None:
-                entry = (block.hits + 1, block.inserted_at, cls)
-            else:
-                entry = (block.hits + 1 + prev[0], prev[1], cls)
-            ghost = self._ghost
-            k = hash(block.key)
-            ghost.pop(k, None)
-            ghost[k] = entry
-            if len(ghost) > self._ghost_limit:
-                ghost.popitem(last=False)
-        if self._since < 0:             # first eviction: the tier just filled up
-            self._since = self._now
-            return
-        self._evictions += 1
-        if self._evictions >= self._update_every:
-            self._update_lifetime()
+            self._file_ghost(block.key, (*uses_and_first(block, prev), cls))
+        self._count_eviction()
 
     def _update_lifetime(self) -> None:
         super()._update_lifetime()

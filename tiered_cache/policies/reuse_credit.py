@@ -126,9 +126,14 @@ class ReuseCreditPolicy(PriorityPolicy):
         span = block.last_access - first
         if span <= 0:
             return 0.0
-        c = self._lifetime * math.log2(uses)
+        c = self._lifetime * math.log2(uses) * self.scale(block)
         overdue = 2.0 * span / (uses - 1)      # twice the mean interval between its uses
         return c if c < overdue else overdue
+
+    def scale(self, block: Block) -> float:
+        """Multiplier of the lifetime credit: 1 here (class_credit scales it by measured
+        odds)."""
+        return 1.0
 
     def priority(self, block: Block) -> float:
         p = block.last_access + self.credit(block)
@@ -172,17 +177,19 @@ class ReuseCreditPolicy(PriorityPolicy):
             return
         prev = self._resumed.pop(block.id, None)
         if block.key is not None:
-            if prev is None:
-                entry = (block.hits + 1, block.inserted_at)
-            else:
-                entry = (block.hits + 1 + prev[0], prev[1])
-            ghost = self._ghost
-            k = hash(block.key)
-            if k in ghost:
-                del ghost[k]
-            ghost[k] = entry
-            if len(ghost) > self._ghost_limit:
-                ghost.popitem(last=False)
+            self._file_ghost(block.key, uses_and_first(block, prev))
+        self._count_eviction()
+
+    def _file_ghost(self, key: bytes, entry: tuple) -> None:
+        """Remember an evicted block's content as the newest ghost entry (oldest go first)."""
+        ghost = self._ghost
+        k = hash(key)
+        ghost.pop(k, None)
+        ghost[k] = entry
+        if len(ghost) > self._ghost_limit:
+            ghost.popitem(last=False)
+
+    def _count_eviction(self) -> None:
         if self._since < 0:             # first eviction: the tier just filled up
             self._since = self._now
             return
@@ -200,6 +207,13 @@ class ReuseCreditPolicy(PriorityPolicy):
             (1 - w) * self._lifetime + w * sample)
         self._evictions = 0
         self._since = self._now
+
+
+def uses_and_first(block: Block, prev: tuple | None) -> tuple[int, int]:
+    """(uses, first use) of a block's content: its own hits plus what the ghost resumed."""
+    if prev is None:
+        return block.hits + 1, block.inserted_at
+    return block.hits + 1 + prev[0], prev[1]
 
 
 def _redundant(block: Block) -> bool:
