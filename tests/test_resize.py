@@ -347,3 +347,21 @@ def test_a_large_shrink_evicts_in_bounded_rounds(monkeypatch):
     check_invariants(cache)
     assert len(rounds) >= 7 and max(rounds) <= 8 and sum(rounds) == 56
     cache.shutdown()
+
+
+def test_shrinking_the_device_tier_with_the_migrator_demotes_in_the_background(monkeypatch):
+    cache = make(24, 64, migrator={"high_watermark": 0.9, "low_watermark": 0.8})
+    ps = prompts(12)                              # 24 blocks: the tier is full
+    for p in ps:
+        cache_prompt(cache, p)
+    settle(cache)
+    with monkeypatch.context() as m:              # no eviction (and copy) under the lock
+        m.setattr(cache, "_evict", lambda *a, **k: pytest.fail("synchronous eviction"))
+        cache.resize("gpu", 6, timeout=10.0)
+    settle(cache)
+    check_invariants(cache)
+    gpu = cache.tiers[0]
+    assert gpu.capacity_blocks == 6 and gpu.allocator.num_used <= 6
+    for p in ps:                                  # nothing lost: the rest went to host
+        assert cached_tokens(cache, p) == len(p)
+    cache.shutdown()

@@ -125,6 +125,15 @@ def _make_room(cache: TieredKVCache, tier: Tier) -> str:
     slots below the limit. Returns what the remaining tail blocks wait for (for the timeout
     message)."""
     alloc = tier.allocator
+    if alloc.num_free >= alloc.draining:
+        return "pinned by open sequences or in flight"
+    if tier.index == 0 and cache.migrator is not None and len(cache.tiers) > 1:
+        # NOTE: the device tier's capacity is already the new size, so the migrator's
+        # watermark demotes it (pipelined, copies outside the lock) whenever the tail does not
+        # fit below: used > capacity >= high_watermark * capacity. No demotion copies under
+        # the lock here.
+        cache.migrator.poke()
+        return "pinned by open sequences or in flight, or waiting for the migrator's demotions"
     free0, draining0 = alloc.num_free, alloc.draining
 
     def need() -> int:
