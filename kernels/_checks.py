@@ -7,10 +7,10 @@ synchronize a CUDA device: value checks (slot ranges, lengths) run only on CPU t
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tiered_cache.errors import DTypeError, ShapeError
@@ -143,10 +143,20 @@ def slots(name: str, x: object) -> torch.Tensor:
                 f"{name}: expected a 1-D integer tensor, got {x.dtype} {tuple(x.shape)}"
             )
         return x.detach().to("cpu", torch.int64)
+    # NOTE: through numpy, not int() per element: a migration batch passes thousands of slots
+    # per call, once per layer group, and a per-element loop cost a quarter of a 64 MiB copy.
     try:
-        return torch.tensor([operator.index(v) for v in x], dtype=torch.int64)  # type: ignore
+        arr = np.asarray(x if isinstance(x, (list, tuple, range, np.ndarray)) else list(x))
     except (TypeError, ValueError) as e:
         raise DTypeError(f"{name}: expected a sequence of ints or a 1-D int tensor") from e
+    if arr.size == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if arr.ndim != 1:
+        raise DTypeError(f"{name}: expected a flat sequence of ints, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise DTypeError(f"{name}: expected a sequence of ints or a 1-D int tensor, got "
+                         f"{arr.dtype} values")
+    return torch.from_numpy(arr.astype(np.int64, copy=False))
 
 
 def slot_range(name: str, s: torch.Tensor, num_slots: int, *, distinct: bool) -> None:

@@ -156,3 +156,16 @@ def test_copy_gpu_pinned_round_trip(backend):
     torch.cuda.synchronize()
     assert torch.equal(back[[0, 2]][:, :, src].cpu(), gpu_cpu[[0, 2]][:, :, src])
     assert (back[1] == 0).all()
+
+
+@pytest.mark.parametrize("bad, match", [
+    ([0.5], "float64 values"), ([1, 2.0], "float64 values"), (["1"], "<U1 values"),
+    ([True], "bool values"), ([[1, 2]], r"flat sequence of ints, got shape \(1, 2\)"),
+    ([2**70], "object values"), (5, "sequence of ints"),
+])
+def test_slot_lists_must_be_flat_ints(bad, match):
+    gpu, host = _pools(torch.float32, 0)
+    before = host.clone()
+    with pytest.raises(TypeError, match=match):
+        copy_blocks_to_host(gpu, bad, host, [0])
+    assert torch.equal(host.view(torch.uint8), before.view(torch.uint8))
