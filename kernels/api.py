@@ -155,6 +155,19 @@ def _check_out(out: object, q: torch.Tensor) -> None:
         )
 
 
+def _check_rest(names: tuple[str, str, str], bt: torch.Tensor, tiers: torch.Tensor,
+                lens: torch.Tensor, geom, q: torch.Tensor, kp: KVPair, vp: KVPair, ks, vs,
+                scale: float | None, out: torch.Tensor | None, backend: str):
+    """What decode and prefill check alike once their tables have a batch dimension: table
+    entries against the pools, the scale, `out`. Returns the scale and the Triton inputs (None:
+    the torch twin runs)."""
+    _check_tables(names, bt, tiers, lens, geom.block_size,
+                  (kp[0].shape[0], None if kp[1] is None else kp[1].shape[0]))
+    sc = _scale(scale, geom.head_dim)
+    _check_out(out, q)
+    return sc, _triton_inputs(backend, q, kp, vp, ks, vs)
+
+
 def _tiers(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int8) if t.dtype == torch.bool else t
 
@@ -198,13 +211,10 @@ def paged_decode_attention(
     c.same_device(q.device, [("block_tables", bt), ("block_tiers", tiers), ("seq_lens", lens)])
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ShapeError(f"num_splits: expected None or an int >= 1, got {num_splits!r}")
-    _check_tables(
-        ("block_tables", "block_tiers", "seq_lens"), bt, tiers, lens, geom.block_size,
-        (kp[0].shape[0], None if kp[1] is None else kp[1].shape[0]),
+    sc, triton_inputs = _check_rest(
+        ("block_tables", "block_tiers", "seq_lens"), bt, tiers, lens, geom, q, kp, vp, ks, vs,
+        scale, out, backend,
     )
-    sc = _scale(scale, geom.head_dim)
-    _check_out(out, q)
-    triton_inputs = _triton_inputs(backend, q, kp, vp, ks, vs)
     if triton_inputs is not None:
         from .decode import paged_decode_triton
 
@@ -258,14 +268,10 @@ def prefill_attention(
             f"seq_len: expected {n} (new tokens) <= seq_len <= {bt.shape[0] * geom.block_size} "
             f"(max_blocks x block_size), got {seq_len}"
         )
-    _check_tables(
-        ("block_table", "block_tier", "seq_len"), bt[None], tier[None],
-        torch.tensor([seq_len]), geom.block_size,
-        (kp[0].shape[0], None if kp[1] is None else kp[1].shape[0]),
+    sc, triton_inputs = _check_rest(
+        ("block_table", "block_tier", "seq_len"), bt[None], tier[None], torch.tensor([seq_len]),
+        geom, q, kp, vp, ks, vs, scale, out, backend,
     )
-    sc = _scale(scale, geom.head_dim)
-    _check_out(out, q)
-    triton_inputs = _triton_inputs(backend, q, kp, vp, ks, vs)
     if triton_inputs is not None:
         from .prefill import prefill_triton
 
