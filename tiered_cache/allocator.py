@@ -197,7 +197,8 @@ class SlotAllocator:
 
     def highest_used(self) -> int | None:
         """Highest allocated slot, or None. O(1): every slot above it is in the run that ends at
-        num_slots, if there is one; otherwise it is num_slots - 1."""
+        num_slots, if there is one; otherwise it is num_slots - 1. (While a shrink is under way
+        the tail is in no run: a memchr from the top.)"""
         if self.num_used == 0:
             return None
         if self._limit < self._n:       # shrinking: the tail is not one run any more
