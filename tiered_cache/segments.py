@@ -75,6 +75,20 @@ class HostReservation:
         if hi > lo:
             self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
+    def __del__(self) -> None:
+        # Page-locked ranges are unregistered before the mapping can go away.
+        registered = getattr(self, "_registered", None)
+        if not registered:
+            return
+        try:
+            cudart = torch.cuda.cudart()
+            base = self.bytes.data_ptr()
+            for start in list(registered):
+                cudart.cudaHostUnregister(base + start)
+            registered.clear()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone
+            pass
+
 
 class SegmentedTensor:
     """A tensor `[*outer, max_slots, *inner]` over reserved memory, backed for its first
