@@ -668,7 +668,9 @@ class TieredKVCache:
                     if reserve and v.slots[t] != NO_SLOT:
                         dst = reserve.pop()
                         plan.append(Transfer(v, t, v.slots[t], below, dst))
-                        self._set_slot(v, below, dst)
+                        tier.evictions += 1
+                        self._move_copy(v, t, below, dst)
+                        continue
                 if v.slots[t] == NO_SLOT:       # dropped by the lower tier's eviction
                     continue
                 tier.evictions += 1
@@ -759,6 +761,27 @@ class TieredKVCache:
         if b.key is not None and b.parent is not None:
             b.parent.resident_children[t] += 1
             self._refresh(b.parent)
+        self._refresh(b)
+
+    def _move_copy(self, b: Block, src: int, dst: int, slot: int) -> None:
+        """b's copy leaves tier src for `slot` of tier dst: `_set_slot` + `_clear_slot` in one
+        step, so b and its parent are re-derived once (the demotion hot path)."""
+        s_tier, d_tier = self.tiers[src], self.tiers[dst]
+        old = b.slots[src]
+        s_tier.allocator.free_one(old)
+        s_tier.owner[old] = None
+        b.slots[src] = NO_SLOT
+        b.slots[dst] = slot
+        d_tier.owner[slot] = b
+        if b.ref_count:
+            s_tier.pinned_blocks -= 1
+            d_tier.pinned_blocks += 1
+        p = b.parent
+        if b.key is not None and p is not None:
+            kids = p.resident_children
+            kids[src] -= 1
+            kids[dst] += 1
+            self._refresh(p)
         self._refresh(b)
 
     def _clear_slot(self, b: Block, t: int) -> None:

@@ -136,12 +136,13 @@ def commit_demotion(cache: TieredKVCache, plan: list[Transfer], ok: bool) -> Non
         b = t.block
         cache.tiers[HOST].reserved -= 1
         if ok and b.key is not None:
-            cache._set_slot(b, HOST, t.dst_slot)
             cache.counters["demotions"] += 1
             cache.counters["demotion_bytes"] += cache.block_bytes
             if b.ref_count == 0:
-                cache._clear_slot(b, GPU)
+                cache._move_copy(b, GPU, HOST, t.dst_slot)
                 gpu.evictions += 1
+            else:                       # pinned meanwhile: it keeps its device copy too
+                cache._set_slot(b, HOST, t.dst_slot)
         else:
             cache.tiers[HOST].allocator.free((t.dst_slot,))
         _end(b, cache)
