@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import xxhash
 
@@ -240,6 +241,16 @@ def cached_prefix_blocks(cache: TieredKVCache, token_ids, salt=None) -> int:
             break
         n += 1
     return n
+
+
+@pytest.fixture(autouse=True)
+def invariants_after_test(monkeypatch):
+    """Autouse where imported: every cache built by the test must satisfy the core invariants
+    when it ends."""
+    caches = track_caches(monkeypatch)
+    yield
+    for cache in caches:
+        check_invariants(cache)
 
 
 def track_caches(monkeypatch) -> list[TieredKVCache]:

@@ -14,13 +14,13 @@ from tests.helpers import (
     cached_prefix_blocks,
     check_invariants,
     gathered,
+    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     keys_of,
     make_cache,
     make_config,
     random_kv,
     snapshot,
     tokens,
-    track_caches,
     write_random,
 )
 from tiered_cache import TieredKVCache
@@ -30,14 +30,6 @@ from tiered_cache.policies import POLICIES
 
 GPU, HOST = 0, 1
 DTYPES = ["float32", "float16", "bfloat16"]
-
-
-@pytest.fixture(autouse=True)
-def invariants_after_test(monkeypatch):
-    caches = track_caches(monkeypatch)
-    yield
-    for cache in caches:
-        check_invariants(cache)
 
 
 def gen(seed: int = 0) -> torch.Generator:

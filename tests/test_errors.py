@@ -12,11 +12,11 @@ from tests.helpers import (
     check_invariants,
     config_dict,
     gathered,
+    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     random_kv,
     snapshot,
     tokens,
-    track_caches,
     write_random,
 )
 from tiered_cache import CacheConfig, TieredKVCache
@@ -33,14 +33,6 @@ from tiered_cache.errors import (
 )
 
 H, D = 2, 4                                               # helpers' geometry
-
-
-@pytest.fixture(autouse=True)
-def invariants_after_test(monkeypatch):
-    caches = track_caches(monkeypatch)
-    yield
-    for cache in caches:
-        check_invariants(cache)
 
 
 @pytest.fixture

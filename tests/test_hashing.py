@@ -16,25 +16,16 @@ import xxhash
 
 from tests.helpers import (
     check_invariants,
+    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     keys_of,
     make_cache,
     random_kv,
     snapshot,
     tokens,
-    track_caches,
     write_random,
 )
 from tiered_cache.errors import CapacityError, TokenError
 from tiered_cache.hashing import BlockHasher, Namespace, as_token_array, xxh3_128
-
-
-@pytest.fixture(autouse=True)
-def invariants_after_test(monkeypatch):
-    caches = track_caches(monkeypatch)
-    yield
-    for cache in caches:
-        check_invariants(cache)
-
 
 PROMPT = list(range(37)) + [2**31 - 1, 0, 5]             # 10 full blocks of 4
 

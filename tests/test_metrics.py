@@ -6,19 +6,16 @@ from __future__ import annotations
 import re
 
 import prometheus_client
-import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.helpers import check_invariants, make_cache, tokens, track_caches, write_random
-
-
-@pytest.fixture(autouse=True)
-def invariants_after_test(monkeypatch):
-    caches = track_caches(monkeypatch)
-    yield
-    for cache in caches:
-        check_invariants(cache)
+from tests.helpers import (  # noqa: F401 - invariants_after_test: autouse fixture
+    check_invariants,
+    invariants_after_test,
+    make_cache,
+    tokens,
+    write_random,
+)
 
 
 def value(registry, name, **labels):
