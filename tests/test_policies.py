@@ -3,6 +3,7 @@ cases with known answers for each one."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,11 +16,21 @@ from tiered_cache.policies import (
     CachePolicy,
     ClassCreditPolicy,
     CostAwarePolicy,
+    HitDensityPolicy,
     LFUPolicy,
     LRUPolicy,
     PriorityPolicy,
     S3FIFOPolicy,
     resolve,
+)
+from tiered_cache.policies.hit_density import (
+    _MID,
+    NB,
+    NCLASS,
+    SPARE,
+    UnguardedHitDensityPolicy,
+    age_bucket,
+    density_bounds,
 )
 
 NAMES = sorted(POLICIES)
@@ -48,7 +59,7 @@ def ids(blocks: list[Block]) -> list[int]:
 
 def test_registry_names_all_policies():
     assert set(POLICIES) == {"lru", "lfu", "cost_aware", "s3fifo", "arc", "belady",
-                             "reuse_credit", "class_credit"}
+                             "reuse_credit", "class_credit", "hit_density"}
     for name, cls in POLICIES.items():
         assert resolve(name) is cls
         assert cls.name == name
@@ -637,3 +648,98 @@ def test_class_credit_counts_a_hit_taken_while_pinned():
     p.insert(b)                             # re-inserted without a hit: nothing new
     assert p._succ[3] == 1.0 and p._trials[4] == 1.0 and p._all_trials == 2.0
     assert p.victims(1) == [b] and not p._hits_at
+
+
+# --- hit_density --------------------------------------------------------------------------------
+
+
+def test_hit_density_bounds_on_a_known_histogram():
+    # One class, 10 trials, all reused in age bucket 4 (ages 3 to 4.66).
+    trials = np.zeros(2)
+    trials[1] = 10.0
+    reuse = np.zeros((2, NB))
+    reuse[1, 4] = 10.0
+    high, low = density_bounds(trials, reuse)
+    # From age 0 the best horizon is through bucket 4: 10 hits, each block held until its reuse
+    # (the bucket's middle); one Poisson error is sqrt(10 + 1).
+    held = 10 * _MID[4]
+    assert high[1, 0] == pytest.approx((10 + 11 ** 0.5) / held)
+    assert low[1, 0] == pytest.approx((10 - 11 ** 0.5) / held)
+    assert high[1, 4] > high[1, 2] > high[1, 0]     # the density rises towards the mode
+    assert high[1, 5] == 0.0 and low[1, 5] == 0.0   # past it nothing is left to reuse
+    assert not high[0].any()                        # a class without trials
+    high2, low2 = density_bounds(trials, reuse, z=2.0)
+    assert high2[1, 0] > high[1, 0] and low2[1, 0] < low[1, 0]
+
+
+def test_hit_density_is_lru_without_evidence_and_spares_go_first():
+    p = HitDensityPolicy(capacity_blocks=8)
+    blocks = [mk(i, last_access=t) for i, t in enumerate([5, 1, 4, 2, 3])]
+    for b in blocks:
+        p.insert(b)
+    spare = mk(9, last_access=9)
+    spare.slots[:] = [0, 0]                 # a copy in both tiers: dropping one loses no hit
+    p.insert(spare)
+    assert ids(p.victims(6)) == [9, 1, 3, 4, 2, 0]
+
+
+def test_hit_density_counts_a_hit_taken_while_pinned():
+    p = HitDensityPolicy(capacity_blocks=8)
+    b = mk(1, last_access=5)
+    b.key = b"k" * 16
+    p.insert(b)
+    assert p._trials[1] == 1.0
+    p.remove(b)                             # pinned by the request that hits it
+    b.hits, b.last_access = 1, 9
+    p.insert(b)
+    assert p._reuse[1][age_bucket(4)] == 1.0 and p._trials[2] == 1.0    # 2 uses now
+    p.remove(b)
+    p.insert(b)                             # no new hit: nothing counted
+    assert sum(p._trials) == 2.0 and sum(map(sum, p._reuse)) == 1.0
+    assert p.victims(1) == [b]
+    again = mk(2, last_access=30)           # same content back after the eviction
+    again.key = b"k" * 16
+    p.insert(again)
+    assert p._reuse[2][age_bucket(21)] == 1.0 and p._trials[2] == 2.0   # 3 uses: class 2
+
+
+def _tables(p: HitDensityPolicy, young_high: float) -> None:
+    """Every density is known to lie in [0.5, 1.0], except age 0 of class 1: upper bound
+    `young_high`."""
+    high, low = np.full((NCLASS, NB), 1.0), np.full((NCLASS, NB), 0.5)
+    high[1, 0] = young_high
+    high[SPARE] = low[SPARE] = -1.0
+    p._table, p._low = high, low
+
+
+@pytest.mark.parametrize("young_high,first", [(0.1, "young"), (0.6, "old")])
+def test_hit_density_leaves_lru_order_only_on_evidence(young_high, first):
+    # The young block goes before the old one only when its density is surely lower (upper
+    # bound 0.1 < the old block's lower bound 0.5); 0.6 might not be lower: LRU order.
+    for cls in (HitDensityPolicy, UnguardedHitDensityPolicy):
+        p = cls(capacity_blocks=8)
+        _tables(p, young_high)
+        old, young = mk(1, last_access=0), mk(2, last_access=40)
+        p.insert(old)
+        p.insert(young)
+        got = ids(p.victims(2))
+        if cls is UnguardedHitDensityPolicy:      # by the upper bounds alone: young first
+            assert got == [2, 1]
+        else:
+            assert got == ([2, 1] if first == "young" else [1, 2])
+
+
+def test_hit_density_candidate_appearing_during_a_batch_competes():
+    p = HitDensityPolicy(capacity_blocks=64)
+    _tables(p, 0.1)
+    olds = [mk(i, last_access=i) for i in range(10)]
+    for b in olds:
+        p.insert(b)
+    p._now = 50                             # the olds are 41-50 ticks old: LRU order
+    assert ids(p.victims(1)) == [0]
+    assert p._batch                         # the next victims are chosen already
+    fresh = mk(99, last_access=50)          # age 0: surely the worst
+    p.insert(fresh)
+    assert ids(p.victims(2)) == [99, 1]
+    p.remove(olds[2])                       # a chosen victim that is pinned meanwhile
+    assert ids(p.victims(7)) == [3, 4, 5, 6, 7, 8, 9]

@@ -52,7 +52,8 @@ LOOP = trace([1], [2], [3], [1], [2], [3])
 
 
 @pytest.mark.parametrize("policy,hits", [("lru", 0), ("lfu", 0), ("belady", 2),
-                                         ("reuse_credit", 0), ("class_credit", 0)])
+                                         ("reuse_credit", 0), ("class_credit", 0),
+                                         ("hit_density", 0)])
 def test_loop_larger_than_cache(policy, hits):
     got, _ = per_request_hits(LOOP, policy, gpu=2)
     assert sum(got) == hits
@@ -72,7 +73,8 @@ FREQ = trace([1], [1], [2], [3], [1])
 @pytest.mark.parametrize("policy,hits", [("lru", [0, 1, 0, 0, 0]), ("lfu", [0, 1, 0, 0, 1]),
                                          ("belady", [0, 1, 0, 0, 1]),
                                          ("reuse_credit", [0, 1, 0, 0, 0]),
-                                         ("class_credit", [0, 1, 0, 0, 0])])
+                                         ("class_credit", [0, 1, 0, 0, 0]),
+                                         ("hit_density", [0, 1, 0, 0, 0])])
 def test_frequency_against_recency(policy, hits):
     got, _ = per_request_hits(FREQ, policy, gpu=2)
     assert got == hits
@@ -85,10 +87,29 @@ def test_frequency_against_recency(policy, hits):
 CHAIN = trace([1, 2, 3], [4, 5, 6], [1, 2, 3])
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "reuse_credit", "class_credit"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "belady", "reuse_credit", "class_credit",
+                                    "hit_density"])
 def test_chains_are_cut_from_the_tail(policy):
     got, _ = per_request_hits(CHAIN, policy, gpu=4)
     assert got == [0, 0, 1]
+
+
+# --- hit_density: a loop larger than the tier, with enough evidence ---------------------------
+# Sixty rounds of 20 one-block requests through 16 slots. LRU (and reuse_credit, class_credit:
+# LRU plus credit) always evicts the block needed next: 0 hits. The optimum keeps 15 of the 20
+# and hits 15 requests in 19. hit_density measures the reuse distance (20 requests) from ghost
+# returns; the block just used is then surely the furthest from its next use, and the policy
+# reaches the optimum once the counts are in.
+
+
+def test_hit_density_learns_a_loop_larger_than_the_tier():
+    loop = trace(*([[i] for i in range(1, 21)] * 60))
+    for policy in ("lru", "class_credit"):
+        got, _ = per_request_hits(loop, policy, gpu=16)
+        assert sum(got) == 0
+    got, cache = per_request_hits(loop, "hit_density", gpu=16)
+    assert sum(got[-200:]) >= 150                # the last ten rounds: 15/19 = 0.79 at best
+    assert sum(got[:40]) == 0                    # the first two rounds: no evidence yet, LRU
 
 
 # --- reuse_credit: frequency that survives eviction ---------------------------------------------
@@ -110,10 +131,12 @@ def hot_block_rounds(rounds=40):
 
 @pytest.mark.parametrize("policy,hits", [("lru", 0), ("lfu", 0), ("arc", 0), ("s3fifo", 0),
                                          ("reuse_credit", 33), ("class_credit", 33),
-                                         ("belady", 39)])
+                                         ("hit_density", 0), ("belady", 39)])
 def test_hot_block_among_one_hit_wonders(policy, hits):
     # class_credit: every block here is the tail of its request, and tails are measured dead;
     # block 1 still is not one, because it is used more than once (its uses live in the ghost).
+    # hit_density: two slots keep 64 trials of counts, too few to be 3 standard errors sure
+    # that the fresh block is worth less than block 1: LRU order throughout.
     got, cache = per_request_hits(hot_block_rounds(), policy, gpu=2)
     assert sum(got) == hits
     if policy in ("reuse_credit", "class_credit"):

@@ -61,7 +61,8 @@ DEFAULT_POLICY = "class_credit"
 """The policy `replay` uses unless told otherwise (tiered_cache.policies.class_credit)."""
 
 DEFAULT_CAPACITIES = (500, 1000, 2000, 3000, 5000, 10000, 20000)
-DEFAULT_SWEEP_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost_aware", DEFAULT_POLICY, "belady")
+DEFAULT_SWEEP_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost_aware", DEFAULT_POLICY,
+                          "hit_density", "belady")
 
 
 class TraceError(TieredCacheError, ValueError):

@@ -10,6 +10,7 @@ from tiered_cache.policies.base import CachePolicy, PriorityPolicy
 from tiered_cache.policies.belady import BeladyPolicy
 from tiered_cache.policies.class_credit import ClassCreditPolicy
 from tiered_cache.policies.cost_aware import CostAwarePolicy
+from tiered_cache.policies.hit_density import HitDensityPolicy
 from tiered_cache.policies.lfu import LFUPolicy
 from tiered_cache.policies.lru import LRUPolicy
 from tiered_cache.policies.reuse_credit import ReuseCreditPolicy
@@ -24,6 +25,7 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "belady": BeladyPolicy,
     "reuse_credit": ReuseCreditPolicy,
     "class_credit": ClassCreditPolicy,
+    "hit_density": HitDensityPolicy,
 }
 
 
@@ -50,4 +52,4 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
 
 __all__ = ["CachePolicy", "PriorityPolicy", "POLICIES", "resolve", "LRUPolicy", "LFUPolicy",
            "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy", "BeladyPolicy",
-           "ReuseCreditPolicy", "ClassCreditPolicy"]
+           "ReuseCreditPolicy", "ClassCreditPolicy", "HitDensityPolicy"]
