@@ -119,17 +119,18 @@ def density_bounds(trials: np.ndarray, reuse: np.ndarray,
 
 
 class HitDensityPolicy(CachePolicy):
-    """Lowest upper-confidence hit density first; see the module docstring."""
+    """LRU order, left only for a candidate whose hit density is surely lower than the LRU
+    victim's; see the module docstring."""
 
     name = "hit_density"
     guard = True
-    z = 3.0
-    """Standard errors in the bounds. The policy makes a decision per eviction, 10^5 of them
-    in a replay, so a deviation from LRU must be wrong rarely: three standard errors (0.1% one
-    side). With two, 2.5% of deviations may be noise: measured 0.976-0.979x LRU on chat at
-    5,000 blocks, below the 0.98 floor."""
     """Deviate from LRU only on evidence (see the module docstring); False ranks by the upper
     bounds alone (kept for the comparison in docs/replay.md)."""
+    z = 3.0
+    """Standard errors in the bounds. The policy makes a decision per eviction, 10^5 of them
+    in a replay, so a deviation from LRU must be wrong rarely: three standard errors (0.13% one
+    side). With two, 2.3% of deviations may be noise: measured 0.976-0.979x LRU on chat at
+    5,000 blocks, below the 0.98 floor."""
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
