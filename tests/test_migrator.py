@@ -257,43 +257,47 @@ def test_shutdown_with_copies_in_flight_loses_nothing():
     assert cache.index                                         # blocks are still cached
 
 
+def stress_api(cache, seed: int, stop: float, errors: list[BaseException]) -> None:
+    """One API thread of the stress tests: random open/write/append/gather/invalidate/close
+    until `stop`, every gather checked against the pattern of its tokens; an exception is
+    appended to `errors` for the main thread to report."""
+    alphabet = [1, 2, 3]
+    rng = random.Random(seed)
+    try:
+        while time.monotonic() < stop:
+            tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 5 * BS))]
+            try:
+                seq = cache.open(tokens, salt=rng.choice([None, "t1"]))
+            except CapacityError:
+                continue
+            fill(cache, seq, tokens)
+            if rng.random() < 0.5:
+                extra = [rng.choice(alphabet) for _ in range(rng.randrange(1, BS + 2))]
+                try:
+                    cache.append(seq, extra)
+                except CapacityError:
+                    extra = []
+                if extra:
+                    whole = tokens + extra
+                    for layer in range(LAYERS):
+                        k, v = pattern(whole, len(tokens), len(whole), layer)
+                        cache.write(seq, layer, k, v)
+                    tokens = whole
+            check_data(cache, seq, tokens)
+            if rng.random() < 0.05:
+                cache.invalidate(tokens[:BS], salt=seq.salt)
+            cache.close(seq)
+    except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        errors.append(exc)
+
+
 def test_concurrent_stress_with_migrator_and_compactor():
     cache = make(24, 48, migrator={"high_watermark": 0.75, "low_watermark": 0.5},
                  compactor={"enabled": True, "threshold": 0.2, "interval_s": 0.005})
-    alphabet = [1, 2, 3]
     errors: list[BaseException] = []
     stop = time.monotonic() + 3.0
-
-    def api_thread(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            while time.monotonic() < stop:
-                tokens = [rng.choice(alphabet) for _ in range(rng.randrange(1, 5 * BS))]
-                try:
-                    seq = cache.open(tokens, salt=rng.choice([None, "t1"]))
-                except CapacityError:
-                    continue
-                fill(cache, seq, tokens)
-                if rng.random() < 0.5:
-                    extra = [rng.choice(alphabet) for _ in range(rng.randrange(1, BS + 2))]
-                    try:
-                        cache.append(seq, extra)
-                    except CapacityError:
-                        extra = []
-                    if extra:
-                        whole = tokens + extra
-                        for layer in range(LAYERS):
-                            k, v = pattern(whole, len(tokens), len(whole), layer)
-                            cache.write(seq, layer, k, v)
-                        tokens = whole
-                check_data(cache, seq, tokens)
-                if rng.random() < 0.05:
-                    cache.invalidate(tokens[:BS], salt=seq.salt)
-                cache.close(seq)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=api_thread, args=(i,)) for i in range(3)]
+    threads = [threading.Thread(target=stress_api, args=(cache, i, stop, errors))
+               for i in range(3)]
     for t in threads:
         t.start()
     for t in threads:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
 import pytest
 import torch
 
-from tests.test_migrator import BS, cache_prompt, check_data, fill, settle
+from tests.test_migrator import BS, cache_prompt, check_data, fill, settle, stress_api
 from tests.test_migrator import make as make_on
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
@@ -210,22 +209,8 @@ def test_shrink_then_grow_while_the_migrator_compactor_and_api_threads_run():
     errors: list[BaseException] = []
     stop = time.monotonic() + 2.0
 
-    def api_thread(seed: int) -> None:
-        rng = random.Random(seed)
-        try:
-            while time.monotonic() < stop:
-                tokens = [rng.choice([1, 2, 3]) for _ in range(rng.randrange(1, 3 * BS))]
-                try:
-                    seq = cache.open(tokens)
-                except CapacityError:
-                    continue
-                fill(cache, seq, tokens)
-                check_data(cache, seq, tokens)
-                cache.close(seq)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=api_thread, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=stress_api, args=(cache, i, stop, errors))
+               for i in range(2)]
     for t in threads:
         t.start()
     sizes = [("host", 20), ("gpu", 16), ("host", 64), ("gpu", 32), ("host", 24), ("gpu", 20)]
