@@ -344,11 +344,6 @@ class HitDensityPolicy(CachePolicy):
         high[SPARE] = low[SPARE] = -1.0
         self._table, self._low = high, low
 
-    @property
-    def table(self) -> np.ndarray:
-        """The current density table (classes x age buckets; row 0: spare copies)."""
-        return self._table
-
     def __len__(self) -> int:
         return len(self._blocks)
 
