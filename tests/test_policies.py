@@ -633,21 +633,21 @@ def test_class_credit_scales_credit_by_measured_odds():
 
 
 def test_class_credit_counts_a_hit_taken_while_pinned():
-    # In a single tier a hit block is pinned (not a candidate) when its hit is counted, so the
-    # policy learns of the hit at re-insert: a success of its old class, a trial of the new one.
+    # In a single tier a hit block is pinned (not a candidate) when the cache reports its hit
+    # (`access`): a success of its old class, a trial of the new one, kept across the pin.
     p = ClassCreditPolicy(capacity_blocks=4)
     b = keyed(1, last_access=5)
     p.insert(b)
     assert p._cls[1] == 3 and p._trials[3] == 1.0 and p._succ[3] == 0.0    # a tail used once
     p.remove(b)                             # pinned by the request that hits it
-    b.hits, b.last_access = 1, 9
+    hit(p, b, 9)
     p.insert(b)                             # unpinned: 2 uses now
     assert p._succ[3] == 1.0 and p._all_succ == 1.0
     assert p._cls[1] == 2 * (2).bit_length() and p._trials[4] == 1.0
     p.remove(b)
     p.insert(b)                             # re-inserted without a hit: nothing new
     assert p._succ[3] == 1.0 and p._trials[4] == 1.0 and p._all_trials == 2.0
-    assert p.victims(1) == [b] and not p._hits_at
+    assert p.victims(1) == [b] and not p._cls
 
 
 # --- hit_density --------------------------------------------------------------------------------
@@ -690,7 +690,7 @@ def test_hit_density_counts_a_hit_taken_while_pinned():
     p.insert(b)
     assert p._trials[1] == 1.0
     p.remove(b)                             # pinned by the request that hits it
-    b.hits, b.last_access = 1, 9
+    hit(p, b, 9)
     p.insert(b)
     assert p._reuse[1][age_bucket(4)] == 1.0 and p._trials[2] == 1.0    # 2 uses now
     p.remove(b)

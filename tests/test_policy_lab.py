@@ -112,6 +112,24 @@ def test_hit_density_learns_a_loop_larger_than_the_tier():
     assert sum(got[:40]) == 0                    # the first two rounds: no evidence yet, LRU
 
 
+# --- every tier holding a copy hears of a reuse, pinned or not -------------------------------
+# [1 2] then [1 2] again in a single tier: the second request pins blocks 1 and 2 (they leave
+# the candidates) and then reuses them. ARC must see that reuse (`access`) to move them from
+# T1 (used once) to T2 (used twice) when they come back as candidates.
+
+
+def test_a_reuse_of_pinned_blocks_reaches_the_policy():
+    got, cache = per_request_hits(trace([1, 2], [1, 2]), "arc", gpu=4)
+    assert got == [0, 2]
+    arc = cache.tiers[0].policy
+    assert len(arc._t2) == 1 and not arc._t1        # the leaf is a candidate again, in T2
+    got, cache = per_request_hits(trace([1, 2], [1, 2]), "class_credit", gpu=4)
+    # the leaf's reuse is a success; block 1 was never a candidate before (its child was), so
+    # its reuse only starts its first trial here
+    p = cache.tiers[0].policy
+    assert p._all_succ == 1.0 and p._all_trials == 3.0
+
+
 # --- reuse_credit: frequency that survives eviction ---------------------------------------------
 # Capacity 2, forty rounds of [1] [x] [y] with x, y fresh each round. LRU loses block 1 to the
 # two fresh blocks every round (0 hits); so do LFU, ARC and S3-FIFO, whose counts and ghosts are

@@ -248,10 +248,12 @@ class TieredKVCache:
         for b in matched:
             b.hits += 1
             b.last_access = clock
-            if True in b.candidate:     # a redundant lower-tier copy is still a candidate
-                for tier in tiers:
-                    if b.candidate[tier.index]:
-                        tier.policy.access(b)
+            copies = b.slots
+            for tier in tiers:
+                # NOTE: every tier holding a copy hears of the reuse, candidate or not (the
+                # block is pinned by now): policies keep history across pins (policies/base.py)
+                if copies[tier.index] != NO_SLOT:
+                    tier.policy.access(b)
         for tier in tiers:
             tier.hit_tokens += self.block_size * source_tiers.count(tier.index)
         seq.blocks = list(matched)

@@ -89,7 +89,6 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         # The ghost maps a content hash to (uses, first use, class at eviction).
         self._cls: dict[int, int] = {}      # block id -> class of its current trial
         self._kids: dict[int, None] = {}    # ids of blocks that have had a candidate child
-        self._hits_at: dict[int, int] = {}  # block id -> its hits when its trial began
         self._trials = [0.0] * _NCLASS
         self._succ = [0.0] * _NCLASS
         self._all_trials = 0.0
@@ -123,7 +122,6 @@ class ClassCreditPolicy(ReuseCreditPolicy):
     def _trial(self, block: Block, uses: int) -> None:
         c = 2 * uses.bit_length()           # a hit block is never a tail
         self._cls[block.id] = c
-        self._hits_at[block.id] = block.hits
         self._trials[c] += 1.0
         self._all_trials += 1.0
         if self._all_trials > self._window:
@@ -172,16 +170,8 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         if parent is not None:
             kids[parent.id] = None
         classes = self._cls
-        c = classes.get(bid)
-        if c is not None and block.hits != self._hits_at.get(bid, 0):
-            # NOTE: hit while it was pinned, hence not a candidate: `access` only sees hits on
-            # candidates (a spare copy), so in a single tier this is where every hit lands.
-            self._success(c)
-            prev = self._resumed.get(bid)
-            self._trial(block, block.hits + 1 + (prev[0] if prev else 0))
-        elif c is None:                         # first sight of this block: a new trial
+        if bid not in classes:                  # first sight of this block: a new trial
             hits = block.hits
-            self._hits_at[bid] = hits
             resumed = self._resumed
             prev = resumed.get(bid)
             if prev is None and hits == 0 and block.key is not None:
@@ -261,7 +251,6 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         prev = self._resumed.pop(bid, None)
         cls = self._cls.pop(bid, 2)
         self._kids.pop(bid, None)
-        self._hits_at.pop(bid, None)
         if block.key is not None:
             self._file_ghost(block.key, (*uses_and_first(block, prev), cls))
         self._count_eviction()
@@ -272,6 +261,6 @@ class ClassCreditPolicy(ReuseCreditPolicy):
 
     def _prune(self) -> None:
         keep = 2 * self._cap                # the newest entries of each table
-        self._cls, self._kids, self._hits_at = (
+        self._cls, self._kids = (
             dict(itertools.islice(d.items(), max(0, len(d) - keep), None))
-            for d in (self._cls, self._kids, self._hits_at))
+            for d in (self._cls, self._kids))

@@ -209,8 +209,7 @@ class HitDensityPolicy(CachePolicy):
                 prev = self._resumed.get(bid, 0)
             return self._trial(block, block.hits + 1 + prev)
         if block.hits != st[2]:
-            # NOTE: hit while pinned, hence not a candidate: in a single tier every hit lands
-            # here, at the re-insert, with the block's last use already moved
+            # a reuse (reported by `access`, pinned or not; or seen first at a re-insert)
             self._reused(st[0], block.last_access - st[1], st[3])
             return self._trial(block, block.hits + 1 + self._resumed.get(bid, 0))
         return st[0]
