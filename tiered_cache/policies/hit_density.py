@@ -24,10 +24,10 @@ holds two bounds, `z` Poisson standard errors each way: `(hits -/+ z sqrt(hits +
 at the horizon whose estimate is best (ties: the longest, which has the most exposure). The LRU
 victim (the oldest candidate) goes, unless some candidate's upper bound is below the LRU
 victim's lower bound: then the lowest such candidate goes instead. With z = 3 (see `z`), on
-streams whose age curve is flat or thinly measured the policy stays close to LRU (0.98-1.09x
-on the shared trace), and where the curve is steep and well measured it follows it (1.5x LRU on
-agent loops at 500-1,000 blocks; 3 hits in 4 on a loop one block larger than the tier, the
-optimum, where LRU gets none).
+streams whose age curve is flat or thinly measured the policy stays close to LRU (0.97-1.08x
+on the shared trace), and where the curve is steep and well measured it follows it (1.3x / 1.44x
+LRU on agent loops at 500 / 1,000 blocks; the optimum, 15 hits in 19, on a loop of 20 blocks
+through 16 slots, where LRU gets none).
 
 Spare copies first: with two tiers, a copy whose block also has a copy in the other tier costs
 no hit when it goes, as in `reuse_credit`.
@@ -129,8 +129,8 @@ class HitDensityPolicy(CachePolicy):
     z = 3.0
     """Standard errors in the bounds. The policy makes a decision per eviction, 10^5 of them
     in a replay, so a deviation from LRU must be wrong rarely: three standard errors (0.13% one
-    side). With two, 2.3% of deviations may be noise: measured 0.976-0.979x LRU on chat at
-    5,000 blocks, below the 0.98 floor."""
+    side). With two, 2.3% of deviations may be noise: chat at 5,000 blocks measured 0.981x LRU,
+    at the floor's edge (three: 0.988x)."""
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
