@@ -19,7 +19,7 @@ short prompts through the public API without pause, and times every call.
 - baseline: on an identically built cache, a naive stop-the-world defragmenter takes the lock
   once, pairs every movable block above a hole with the lowest free slot below it (the same pairing
   as the compactor), copies them all in one go with the same copy primitive
-  (``tiered_cache.transfer.execute``), remaps and releases: one long hold.
+  (the cache's copy executor), remaps and releases: one long hold.
 
 Targets: online p99 < 1 ms and max < 5 ms.
 
@@ -50,10 +50,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import default_out, environment, print_table, quantile, write_json  # noqa: E402
 from tiered_cache.migrator import Compactor  # noqa: E402
 
-from tiered_cache import TieredKVCache, moves  # noqa: E402
+from tiered_cache import TieredKVCache  # noqa: E402
 from tiered_cache.config import CacheConfig, CompactorConfig  # noqa: E402
+from tiered_cache.core import moves  # noqa: E402
+from tiered_cache.core.transfer import Transfer  # noqa: E402
 from tiered_cache.locking import HoldStats, TimedLock  # noqa: E402
-from tiered_cache.transfer import Transfer, execute  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 1, 1, 8, 4
 P99_TARGET_S, MAX_TARGET_S = 1e-3, 5e-3
@@ -186,7 +187,7 @@ class SchedWindow:
 # ----------------------------------------------------------------------------- setup
 def make_cache(args) -> TieredKVCache:
     cache = _new_cache(args)
-    cache._lock = InstrumentedLock()        # before any thread uses it
+    cache.index.lock = InstrumentedLock()   # before any thread uses it
     return cache
 
 
@@ -213,7 +214,7 @@ def build(args) -> tuple[TieredKVCache, dict]:
     """Fill the device tier to `--fill` with published blocks, then invalidate every other
     prompt. Returns the cache and setup facts."""
     cache = make_cache(args)
-    device = cache.tiers[GPU].pool.kv.device
+    device = cache.pools[GPU].kv.device
     pb = args.prompt_blocks
     num_prompts = int(args.fill * args.blocks) // pb
     kv = torch.randn((pb * BS, HEADS, DIM), device=device)
@@ -255,7 +256,7 @@ class Workload(threading.Thread):
         self.blocks = blocks
         base = 2**30 // (blocks * BS)          # far from the setup prompts' token ids
         self.prompts = [prompt(base + i, blocks) for i in range(pool)]
-        self.kv = torch.randn((blocks * BS, HEADS, DIM), device=cache.tiers[GPU].pool.kv.device)
+        self.kv = torch.randn((blocks * BS, HEADS, DIM), device=cache.pools[GPU].kv.device)
         self.stop_flag = threading.Event()
         self.lat: list[float] = []
         self.slow: list[tuple[float, str, float, float]] = []
@@ -318,14 +319,14 @@ def _ms(s: dict) -> dict:
 
 def reset(cache: TieredKVCache) -> None:
     """Start a measurement window: the lock's HoldStats (and our per-thread split), GC log."""
-    lock = cache._lock
+    lock = cache.index.lock
     lock.reset() if isinstance(lock, InstrumentedLock) else lock.holds.reset()
     GC.reset()
 
 
 def holds(cache: TieredKVCache) -> dict:
     """The TimedLock's HoldStats of the window (all threads), plus the per-thread split."""
-    lock = cache._lock
+    lock = cache.index.lock
     out = _ms(lock.holds.summary())
     if isinstance(lock, InstrumentedLock):
         out["cpu"] = _ms(lock.cpu_all.summary())
@@ -363,11 +364,11 @@ def online(args) -> dict:
         cfg = CompactorConfig(threshold=args.threshold, interval_s=args.interval,
                               max_moves_per_step=args.max_moves)
         before = frag(cache)
-        moves0 = cache.counters["compaction_moves"]
+        moves0 = cache.index.counters.compaction_moves
         work.mark()
         reset(cache)
         t0 = time.perf_counter()
-        compactor = Compactor(cache, cfg)           # starts its thread
+        compactor = Compactor(cache.index, cache.executor, cfg)     # starts its thread
         sw = SchedWindow({"bench-workload": work.native_id,
                           "tc-compactor": compactor._thread.native_id})
         last, last_change, samples = moves0, t0, []
@@ -375,7 +376,7 @@ def online(args) -> dict:
             time.sleep(args.poll)
             now = time.perf_counter()
             f = frag(cache)
-            moved = cache.counters["compaction_moves"]
+            moved = cache.index.counters.compaction_moves
             samples.append((round(now - t0, 4), round(f, 4), moved - moves0))
             if moved != last:
                 last, last_change = moved, now
@@ -395,9 +396,9 @@ def online(args) -> dict:
         lat = work.window()
         after = frag(cache)
         if args.check:                  # after the window: it holds the lock for a while
-            from tiered_cache.invariants import check_invariants
+            from tiered_cache.core.invariants import check_invariants
             check_invariants(cache)
-        moved = cache.counters["compaction_moves"] - moves0
+        moved = cache.index.counters.compaction_moves - moves0
     finally:
         work.stop()
         cache.shutdown()
@@ -417,28 +418,27 @@ def online(args) -> dict:
 def stop_the_world(cache: TieredKVCache) -> tuple[int, float]:
     """Naive defragmenter: one lock hold that pairs every movable block above a hole with the
     lowest free slot below it, copies them all at once and remaps. Returns (moved, seconds)."""
-    tier = cache.tiers[GPU]
+    idx = cache.index
+    tier = idx.tiers[GPU]
     alloc, owner = tier.allocator, tier.owner
-    pools = [t.pool for t in cache.tiers]
-    with cache._lock:
+    with idx.locked():
         t0 = time.perf_counter()
         src, dst, blocks = [], [], []
         hi, low = alloc.highest_used(), alloc.lowest_free()
         while hi is not None and low is not None and low < hi:
             b = owner[hi]
-            if moves.movable(b):
+            if moves.movable(idx, b):
                 src.append(hi)
                 dst.append(low)
                 blocks.append(b)
                 low = alloc.lowest_free(low + 1)
             hi = alloc.highest_used_below(hi)
-        execute([Transfer(b, GPU, s, GPU, d) for b, s, d in zip(blocks, src, dst)], pools)
-        for b, s, d in zip(blocks, src, dst):
-            alloc.allocate_at(d)
-            owner[d], owner[s] = b, None
-            b.slots[GPU] = d
-        alloc.free(sorted(src))
-        cache.counters["compaction_moves"] += len(blocks)
+        cache.executor.run([Transfer(b, GPU, s, GPU, d) for b, s, d in zip(blocks, src, dst)])
+        for b, d in zip(blocks, dst):
+            idx.reserve_at(GPU, d)
+            idx.remap(b, GPU, d)
+            idx.unreserve(GPU)
+        idx.count("compaction_moves", len(blocks))
         return len(blocks), time.perf_counter() - t0
 
 
@@ -461,7 +461,7 @@ def baseline(args) -> dict:
         lat = work.window()
         after = frag(cache)
         if args.check:
-            from tiered_cache.invariants import check_invariants
+            from tiered_cache.core.invariants import check_invariants
             check_invariants(cache)
     finally:
         work.stop()

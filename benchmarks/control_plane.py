@@ -161,8 +161,8 @@ def measure(n_blocks: int, sample: int, repeats: int, seed: int) -> list[dict]:
     cached = cache.stats()["cached_blocks"]
     assert cached == n_blocks == cache.stats()["tiers"]["gpu"]["used_blocks"], cached
     root = cache.hasher.root(None)[0]
-    floor_index = dict(cache.index)               # the same N keys, in a plain dict
-    lru = OrderedDict.fromkeys(cache.index, True)
+    floor_index = dict(cache.index.prefix)        # the same N keys, in a plain dict
+    lru = OrderedDict.fromkeys(cache.index.prefix, True)
     rng = random.Random(seed)
     k = min(sample, n_prompts)
 

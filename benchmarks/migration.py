@@ -194,8 +194,8 @@ def make_cache(args, device: torch.device) -> TieredKVCache:
 def reset_holds(cache: TieredKVCache) -> None:
     """Clear the control-plane lock's HoldStats, holding the lock's inner RLock so that no
     hold is being filed meanwhile (and without filing this one)."""
-    with cache._lock._lock:
-        cache._lock.holds.reset()
+    with cache.index.lock._lock:
+        cache.index.lock.holds.reset()
 
 
 def prompt_tokens(i: int, nblocks: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 Installed as `tiered_cache.migrator` (the repo folder is `migrator/`)."""
 
 from tiered_cache.migrator.compactor import Compactor
-from tiered_cache.migrator.readiness import LayerReadiness
+from tiered_cache.migrator.health import ThreadHealth
 from tiered_cache.migrator.worker import Migrator
 
-__all__ = ["Compactor", "LayerReadiness", "Migrator"]
+__all__ = ["Compactor", "Migrator", "ThreadHealth"]

@@ -11,47 +11,47 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
 
-from tiered_cache import moves
+from tiered_cache.migrator.health import ThreadHealth
+
 from tiered_cache.config import CompactorConfig
-from tiered_cache.transfer import execute
-
-if TYPE_CHECKING:
-    from tiered_cache.cache import TieredKVCache
+from tiered_cache.core import moves
+from tiered_cache.core.index import BlockIndex
 
 log = logging.getLogger("tiered_cache.compactor")
 
 
 class Compactor:
-    def __init__(self, cache: TieredKVCache, config: CompactorConfig,
-                 start: bool = True) -> None:
-        self.cache = cache
+    def __init__(self, index: BlockIndex, executor, config: CompactorConfig,
+                 start: bool = True, health: ThreadHealth | None = None) -> None:
+        self.index = index
+        self.executor = executor
         self.config = config
+        self.health = health if health is not None else ThreadHealth()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="tc-compactor", daemon=True)
+        self.health.watch(self._thread)
         if start:
             self._thread.start()
 
     def step(self, tier: int) -> int:
         """One bounded compaction step on a tier; returns the number of blocks moved."""
-        cache = self.cache
-        with cache._lock:
-            if cache.tiers[tier].allocator.fragmentation() <= self.config.threshold:
+        idx = self.index
+        with idx.locked():
+            if idx.tiers[tier].allocator.fragmentation() <= self.config.threshold:
                 return 0
-            plan = moves.plan_compaction(cache, tier, self.config.max_moves_per_step)
+            plan = moves.plan_compaction(idx, tier, self.config.max_moves_per_step)
         if not plan:
             return 0
-        ok = True
+        ok = False
         try:
-            execute(plan, [t.pool for t in cache.tiers])
+            self.executor.run(plan)
+            ok = True
         except Exception:  # noqa: BLE001 - a failed move just leaves the block where it was
             log.exception("compaction copy failed; blocks stay where they were")
-            ok = False
-        with cache._lock:
-            before = cache.counters["compaction_moves"]
-            moves.commit_compaction(cache, plan, ok)
-            return cache.counters["compaction_moves"] - before
+        finally:
+            moved = moves.commit_compaction(idx, plan, ok)
+        return moved
 
     def compact(self, tier: int, max_steps: int = 1_000_000) -> int:
         """Run steps until the tier is under the threshold or nothing can move."""
@@ -70,9 +70,9 @@ class Compactor:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.config.interval_s):
-            for t in range(len(self.cache.tiers)):
+            for t in range(len(self.index.tiers)):
                 try:
                     while not self._stop.is_set() and self.step(t):
                         pass
                 except Exception:  # noqa: BLE001 - keep the thread alive
-                    log.exception("compaction step failed")
+                    self.health.record(log, "compaction step")

@@ -1,21 +1,22 @@
 """The migrator: background promotion, demotion and write-through copies.
 
-- Promotions (blocks an open() matched in host) run on worker threads, layer by layer, each
-  layer signalled as soon as it lands (see readiness.py). Jobs are served in open() order, so
-  earlier sequences and earlier layers come first. One job per block: open() reuses a block's
+- Promotions (blocks an open() matched in a slower tier) run on worker threads, layer by layer,
+  each layer signalled as soon as it lands (core/readiness.py). Jobs are served in open() order,
+  so earlier sequences and earlier layers come first. One job per block: open() reuses a block's
   pending promotion instead of copying it again.
 - Demotion runs on its own thread: above `high_watermark` of the device tier it demotes policy
   victims down to `low_watermark`, so allocation on the hot path almost never evicts
   synchronously. A promotion never waits behind a demotion batch.
 - write_through copies run on the workers too.
 
-Copies run outside the control-plane lock (plan / copy / commit, see tiered_cache.moves). On a GPU
-each worker has its own CUDA stream (never the default stream) and records an event per layer;
-on CPU the copies are torch ops that release the GIL.
+Copies run outside the control-plane lock (plan / copy / commit, see tiered_cache.core.moves).
+On a GPU each worker has its own CUDA stream (never the default stream) and records an event
+per layer; on CPU the copies are torch ops that release the GIL.
 
 Faults: a failed copy is retried up to `max_retries` times, then given up with a logged reason;
 the block stays valid in its source tier and the failure is counted
-(`tiered_cache_transfer_failures_total`).
+(`tiered_cache_transfer_failures_total`). An unexpected exception anywhere in a thread is
+logged, counted (`ThreadHealth`), its plan committed as failed, and the thread carries on.
 """
 
 from __future__ import annotations
@@ -24,20 +25,19 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
-from tiered_cache.migrator.readiness import LayerReadiness
+from tiered_cache.migrator.health import ThreadHealth
 
-from tiered_cache import moves
 from tiered_cache.config import MigratorConfig
-from tiered_cache.transfer import Transfer, execute
-
-if TYPE_CHECKING:
-    from tiered_cache.cache import TieredKVCache
+from tiered_cache.core import moves
+from tiered_cache.core.index import GPU, BlockIndex
+from tiered_cache.core.readiness import LayerReadiness
+from tiered_cache.core.transfer import Transfer
 
 log = logging.getLogger("tiered_cache.migrator")
 FaultHook = Callable[[str, int], None]
@@ -53,36 +53,38 @@ class _Job:
 
 
 class Migrator:
-    def __init__(self, cache: TieredKVCache, config: MigratorConfig) -> None:
-        self.cache = cache
+    def __init__(self, index: BlockIndex, executor, config: MigratorConfig,
+                 health: ThreadHealth | None = None) -> None:
+        self.index = index
+        self.executor = executor
         self.config = config
+        self.health = health if health is not None else ThreadHealth()
         self.fault_hook: FaultHook | None = None       # tests inject copy failures here
-        self._jobs: queue.PriorityQueue[_Job | None] = queue.PriorityQueue()
+        self._jobs: queue.PriorityQueue[_Job] = queue.PriorityQueue()
         self._order = itertools.count()
         self._busy = 0
         self._idle = threading.Condition()
         self._stop = threading.Event()
         self._wake = threading.Event()
-        gpu = cache.tiers[0].pool
+        gpu = executor.pools[0] if executor.pools else None
         self._cuda = gpu is not None and gpu.kv.is_cuda
         self._threads = [threading.Thread(target=self._work, name=f"tc-migrator-{i}",
                                           daemon=True) for i in range(config.num_workers)]
         self._threads.append(threading.Thread(target=self._watch, name="tc-demoter",
                                               daemon=True))
         for t in self._threads:
+            self.health.watch(t)
             t.start()
 
-    # ------------------------------------------------------------ called under the cache lock
-    def promote(self, blocks, slots) -> LayerReadiness | None:
-        if not blocks:
-            return None
-        readiness = LayerReadiness(self.cache.num_layers, len(blocks))
-        plan = moves.plan_promotion(self.cache, blocks, slots, readiness)
+    # ------------------------------------------------------------ called under the index lock
+    def promote(self, plan: list[Transfer], readiness: LayerReadiness) -> None:
+        """Queue a promotion planned by `BlockIndex.open`."""
         self._submit(_Job(0, next(self._order), "promotion", plan, readiness))
-        return readiness
 
-    def copy_down(self, blocks) -> None:
-        plan = moves.plan_copy_down(self.cache, blocks)
+    def copy_down(self, blocks: list[int]) -> None:
+        if len(self.index.tiers) < 2:
+            return
+        plan = moves.plan_copy_down(self.index, blocks, GPU, GPU + 1)
         if plan:
             self._submit(_Job(1, next(self._order), "write_through", plan))
 
@@ -108,6 +110,10 @@ class Migrator:
         for t in self._threads:
             t.join(timeout=30)
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     # ------------------------------------------------------------ threads
     def _submit(self, job: _Job) -> None:
         with self._idle:
@@ -129,8 +135,8 @@ class Migrator:
                     self._promote(jobs, stream)
                 else:
                     self._copy_down(job, stream)
-            except Exception:               # never let a worker die: log and go on
-                log.exception("migrator job %s failed unexpectedly", job.kind)
+            except Exception:               # never let a worker die: log, count, go on
+                self.health.record(log, f"migrator {job.kind} job")
             finally:
                 with self._idle:
                     self._busy -= len(jobs)
@@ -139,7 +145,7 @@ class Migrator:
     def _more_promotions(self) -> list[_Job]:
         """Promotion jobs queued right behind the one just taken, up to `_BATCH_BYTES` in all:
         copied together, they cost one call per layer group instead of one per job."""
-        budget = self._BATCH_BYTES // max(1, self.cache.block_bytes)
+        budget = self._BATCH_BYTES // max(1, self.index.block_bytes)
         out: list[_Job] = []
         while budget > 0:
             try:
@@ -156,40 +162,52 @@ class Migrator:
     _BATCH_BYTES = 256 << 20
 
     def _promote(self, jobs: list[_Job], stream) -> None:
-        cache = self.cache
-        pools = [t.pool for t in cache.tiers]
+        idx = self.index
         plan = [t for job in jobs for t in job.plan]
+        num_layers = idx.num_layers
         # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
         # signalled as soon as it lands: small promotions would otherwise pay the per-call
         # overhead once per layer, large ones still land layer by layer.
-        per_layer = max(1, len(plan) * cache.block_bytes // cache.num_layers)
+        per_layer = max(1, len(plan) * idx.block_bytes // num_layers)
         group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
-        error = None
-        for first in range(0, cache.num_layers, group):
-            layers = tuple(range(first, min(cache.num_layers, first + group)))
-            error = self._attempt("promotion", partial(execute, plan, pools, layers), stream)
-            if error is not None:
-                break
-            event = self._event(stream)
+        error: BaseException | None = None
+        try:
+            for first in range(0, num_layers, group):
+                layers = tuple(range(first, min(num_layers, first + group)))
+                error = self._attempt("promotion", partial(self.executor.run, plan, layers),
+                                      stream)
+                if error is not None:
+                    break
+                event = self._event(stream)
+                for job in jobs:
+                    for layer in layers:
+                        job.readiness.layer_done(layer, event)
+            self._sync(stream)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            # Whatever happened above, every waiter is told and every plan committed once.
+            # NOTE: waiters learn of a failure before the commit frees the device slots, so a
+            # reader that checks under the lock never reads a slot the commit released.
             for job in jobs:
-                for layer in layers:
-                    job.readiness.layer_done(layer, event)
-        self._sync(stream)
-        with cache._lock:
-            for job in jobs:
-                moves.commit_promotion(cache, job.plan, error is None)
-        if error is not None:
-            for job in jobs:
-                job.readiness.fail(error)
+                try:
+                    if error is not None:
+                        job.readiness.fail(error)
+                finally:
+                    idx.commit_promotion(job.plan, error is None)
 
     def _copy_down(self, job: _Job, stream) -> None:
         """A write-through copy job."""
-        cache = self.cache
-        pools = [t.pool for t in cache.tiers]
-        error = self._attempt(job.kind, lambda: execute(job.plan, pools), stream)
-        self._sync(stream)
-        with cache._lock:
-            moves.commit_copy_down(cache, job.plan, error is None)
+        error: BaseException | None = None
+        try:
+            error = self._attempt(job.kind, partial(self.executor.run, job.plan), stream)
+            self._sync(stream)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            moves.commit_copy_down(self.index, job.plan, error is None)
 
     def _watch(self) -> None:
         """Demote above the high watermark down to the low one, batch by batch.
@@ -200,14 +218,11 @@ class Migrator:
         hides behind the copies. One batch copies at a time; the blocks of a batch in flight
         still hold device slots, so they are subtracted from the excess.
         """
-        cache = self.cache
-        gpu = cache.tiers[0]
         copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tc-demoter-copy")
         stream = self._new_stream()
-        pools = [t.pool for t in cache.tiers]
 
         def copy(plan):
-            error = self._attempt("demotion", partial(execute, plan, pools), stream)
+            error = self._attempt("demotion", partial(self.executor.run, plan), stream)
             self._sync(stream)
             return error
 
@@ -215,51 +230,67 @@ class Migrator:
             while not self._stop.is_set():
                 self._wake.wait(0.005)
                 self._wake.clear()
-                pending: tuple[list[Transfer], Future] | None = None
-                while True:
-                    plan = None
-                    if not self._stop.is_set():
-                        with cache._lock:
-                            plan = self._plan_demotion(gpu, pending[0] if pending else None)
-                    if pending is not None:
-                        error = pending[1].result()
-                        with cache._lock:
-                            moves.commit_demotion(cache, pending[0], error is None)
-                        pending = None
-                        if not plan:
-                            continue        # parents of the batch just committed may be
-                                            # candidates now: plan again
-                    if not plan:
-                        break
-                    pending = (plan, copier.submit(copy, plan))
+                try:
+                    self._demote_round(copier, copy)
+                except Exception:
+                    self.health.record(log, "watermark demotion")
+                    time.sleep(0.05)        # back off; the state is consistent (see below)
         finally:
             copier.shutdown(wait=True)
 
-    def _plan_demotion(self, gpu, pending: list[Transfer] | None) -> list[Transfer] | None:
-        """The next demotion batch, or None when the watermark is met (called under the
-        lock; the blocks of the `pending` batch, not committed yet, are already on their
-        way)."""
+    def _demote_round(self, copier: ThreadPoolExecutor, copy) -> None:
+        idx = self.index
+        pending: tuple[list[Transfer], Future] | None = None
+        try:
+            while True:
+                plan = None
+                if not self._stop.is_set():
+                    plan = self._plan_demotion(pending[0] if pending else None)
+                if pending is not None:
+                    error = pending[1].result()
+                    batch, pending = pending[0], None
+                    moves.commit_demotion(idx, batch, error is None)
+                    if not plan:
+                        continue        # parents of the batch just committed may be
+                                        # candidates now: plan again
+                if not plan:
+                    break
+                pending = (plan, copier.submit(copy, plan))
+        finally:
+            # NOTE: an exception above must not strand a batch in flight: wait for its copy
+            # and commit it, so its blocks and reserved slots come back.
+            if pending is not None:
+                fut = pending[1]
+                failed = fut.exception() is not None or fut.result() is not None
+                moves.commit_demotion(idx, pending[0], not failed)
+
+    def _plan_demotion(self, pending: list[Transfer] | None) -> list[Transfer] | None:
+        """The next demotion batch, or None when the watermark is met (the blocks of the
+        `pending` batch, not committed yet, are already on their way)."""
         cfg = self.config
-        cap = gpu.capacity_blocks
-        in_flight = len(pending) if pending else 0
-        used = gpu.used_blocks - in_flight
-        excess = used - int(cfg.low_watermark * cap)
-        if used <= cfg.high_watermark * cap and not self._lowering:
-            return None
-        if excess <= 0:
-            self._lowering = False
-            return None
-        self._lowering = True
-        plan = moves.plan_demotion(self.cache, min(excess, cfg.batch_blocks), pending)
-        if not plan and not in_flight:
-            self._lowering = False          # everything left is pinned: nothing to demote
-        return plan
+        idx = self.index
+        with idx.locked():
+            gpu = idx.tiers[GPU]
+            cap = gpu.capacity_blocks
+            in_flight = len(pending) if pending else 0
+            used = gpu.used_blocks - in_flight
+            excess = used - int(cfg.low_watermark * cap)
+            if used <= cfg.high_watermark * cap and not self._lowering:
+                return None
+            if excess <= 0:
+                self._lowering = False
+                return None
+            self._lowering = True
+            below = GPU + 1 if len(idx.tiers) > 1 else None
+            plan = moves.plan_demotion(idx, GPU, below, min(excess, cfg.batch_blocks), pending)
+            if not plan and not in_flight:
+                self._lowering = False      # everything left is pinned: nothing to demote
+            return plan
 
     _lowering = False
 
     def _attempt(self, kind: str, copy: Callable[[], None], stream) -> Exception | None:
         """Run a copy with retries; returns the last error, or None on success."""
-        cache = self.cache
         error: Exception | None = None
         for attempt in range(self.config.max_retries + 1):
             try:
@@ -277,10 +308,8 @@ class Migrator:
             except Exception as exc:  # noqa: BLE001 - any copy failure is handled the same way
                 error = exc
                 if attempt < self.config.max_retries:
-                    with cache._lock:
-                        cache.counters["transfer_retries"] += 1
-        with cache._lock:
-            cache.counters["transfer_failures"] += 1
+                    self.index.count("transfer_retries")
+        self.index.count("transfer_failures")
         log.warning("%s copy given up after %d tries: %s", kind, self.config.max_retries + 1,
                     error)
         return error
@@ -291,7 +320,7 @@ class Migrator:
             return None
         import torch
 
-        return torch.cuda.Stream(device=self.cache.tiers[0].pool.kv.device)
+        return torch.cuda.Stream(device=self.executor.pools[0].kv.device)
 
     @staticmethod
     def _event(stream):

@@ -17,7 +17,7 @@ import xxhash
 
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.invariants import check_invariants
+from tiered_cache.core.invariants import check_invariants
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16,
                 "bfloat16": torch.bfloat16}
@@ -172,7 +172,7 @@ def free_slots(cache: TieredKVCache, tier: int) -> list[int]:
     return [s for s in range(alloc.num_slots) if alloc.is_free(s)]
 
 
-TIMING_STATS = ("lock_hold", "lookup")
+TIMING_STATS = ("lock_hold", "lookup", "threads")
 
 
 def stable_stats(cache: TieredKVCache) -> dict[str, Any]:
@@ -182,17 +182,19 @@ def stable_stats(cache: TieredKVCache) -> dict[str, Any]:
 
 def snapshot(cache: TieredKVCache) -> dict[str, Any]:
     """Everything observable about the control plane, for before/after comparisons."""
+    idx = cache.index
     with cache.locked():
         blocks = {}
-        for key, b in cache.index.items():
-            blocks[key] = (b.id, tuple(b.slots), b.ref_count, b.hits, b.last_access,
-                           tuple(b.candidate), tuple(b.resident_children),
-                           b.parent.id if b.parent is not None else None)
+        for key, b in idx.prefix.items():
+            i = idx.info(b)
+            blocks[key] = (i.id, i.slots, i.ref_count, i.hits, i.last_access, i.candidate,
+                           i.resident_children, i.parent)
         seqs = {}
         for s in cache.open_sequences():
             seqs[s.id] = (s.num_tokens, tuple(s.token_ids.tolist()), tuple(s.written),
                           s.num_cached_tokens, s.num_published, tuple(s.keys),
-                          tuple((b.id, tuple(b.slots), b.ref_count, b.key) for b in s.blocks))
+                          tuple((b, idx.info(b).slots, idx.info(b).ref_count, idx.info(b).key)
+                                for b in s.blocks))
         return {
             "stats": stable_stats(cache),
             "blocks": blocks,
@@ -200,8 +202,72 @@ def snapshot(cache: TieredKVCache) -> dict[str, Any]:
             "free": [free_slots(cache, t.index) for t in cache.tiers],
             "pinned": [t.pinned_blocks for t in cache.tiers],
             "policy_len": [len(t.policy) for t in cache.tiers],
-            "clock": cache._clock,
+            "clock": idx.clock,
         }
+
+
+class BlockView:
+    """A live, read-only view of one block of a cache's index (tests poll it as copies move).
+    Once the block is freed (its row recycled) it reads as dropped: no copies, no key."""
+
+    def __init__(self, cache: TieredKVCache, b: int) -> None:
+        self.cache, self.id = cache, b
+        self.gen = cache.index.blocks.gen[b]
+
+    @property
+    def gone(self) -> bool:
+        return self.cache.index.blocks.gen[self.id] != self.gen
+
+    @property
+    def slots(self) -> list[int]:
+        t = self.cache.index.blocks
+        return [-1] * t.num_tiers if self.gone else t.copies(self.id)
+
+    @property
+    def key(self):
+        return None if self.gone else self.cache.index.blocks.key[self.id]
+
+    @property
+    def ref_count(self) -> int:
+        return 0 if self.gone else self.cache.index.blocks.ref_count[self.id]
+
+    @property
+    def children(self) -> list[BlockView]:
+        if self.gone:
+            return []
+        return [BlockView(self.cache, c) for c in self.cache.index.blocks.children(self.id)]
+
+    def fastest_tier(self) -> int:
+        return -1 if self.gone else self.cache.index.blocks.fastest_tier(self.id)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, BlockView) and (self.id, self.gen) == (other.id, other.gen)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.gen))
+
+    def __repr__(self) -> str:
+        return f"BlockView({self.id}, slots={self.slots}, key={'set' if self.key else None})"
+
+
+def block_at(cache: TieredKVCache, key: bytes) -> BlockView:
+    b = cache.index.lookup(key)
+    assert b is not None, "no block with that key in the index"
+    return BlockView(cache, b)
+
+
+def seq_blocks(cache: TieredKVCache, seq) -> list[BlockView]:
+    return [BlockView(cache, b) for b in seq.blocks]
+
+
+def indexed(cache: TieredKVCache) -> dict[bytes, BlockView]:
+    """Every published block, by key."""
+    with cache.locked():
+        return {k: BlockView(cache, b) for k, b in cache.index.prefix.items()}
+
+
+def in_index(cache: TieredKVCache, key: bytes) -> bool:
+    return cache.index.lookup(key) is not None
 
 
 def gathered(cache: TieredKVCache) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -237,7 +303,7 @@ def cached_prefix_blocks(cache: TieredKVCache, token_ids, salt=None) -> int:
     """How many leading full blocks of `token_ids` are in the index."""
     n = 0
     for key in keys_of(cache, token_ids, salt):
-        if key not in cache.index:
+        if cache.index.lookup(key) is None:
             break
         n += 1
     return n
@@ -267,7 +333,8 @@ def track_caches(monkeypatch) -> list[TieredKVCache]:
     return made
 
 
-__all__ = ["check_invariants", "make_cache", "make_config", "config_dict", "snapshot",
+__all__ = ["BlockView", "block_at", "seq_blocks", "indexed", "in_index", "check_invariants",
+           "make_cache", "make_config", "config_dict", "snapshot",
            "random_kv", "write_random", "pattern_kv", "write_pattern", "write_pattern_all",
            "check_pattern", "gathered", "assert_same_data", "free_slots", "tokens", "keys_of",
            "cached_prefix_blocks", "track_caches"]

@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from tiered_cache.allocator import SlotAllocator
+from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.errors import CapacityError
 
 

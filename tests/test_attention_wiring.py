@@ -15,8 +15,8 @@ import torch
 
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
+from tiered_cache.core.invariants import check_invariants
 from tiered_cache.errors import DTypeError, ShapeError, StorageDisabledError
-from tiered_cache.invariants import check_invariants
 
 L, HKV, HQ, D, BS = 2, 2, 8, 16, 4
 
@@ -148,15 +148,21 @@ def test_bad_inputs_are_rejected_and_change_nothing():
     before = cache.stats()
     with pytest.raises(ShapeError, match="q: expected"):
         cache.attention(torch.randn(2, HQ, D), [seq], 0)        # batch mismatch
-    with pytest.raises(ShapeError, match="multiple of 2"):
+    with pytest.raises(ShapeError, match="num_q_heads"):
         cache.attention(torch.randn(1, 3, D), [seq], 0)
-    with pytest.raises(DTypeError, match="floating-point"):
+    with pytest.raises(ShapeError, match="num_q_heads"):       # a multiple of kv heads, but
+        cache.attention(torch.randn(1, HQ // 2, D), [seq], 0)  # not the model's query heads
+    with pytest.raises(DTypeError, match="expected dtype torch.float32"):
         cache.attention(torch.ones(1, HQ, D, dtype=torch.int64), [seq], 0)
+    with pytest.raises(DTypeError, match="expected dtype torch.float32"):
+        cache.attention(torch.randn(1, HQ, D, dtype=torch.float64), [seq], 0)
+    with pytest.raises(DTypeError, match="requires grad"):
+        cache.attention(torch.randn(1, HQ, D, requires_grad=True), [seq], 0)
     with pytest.raises(ShapeError, match="last n written"):
         cache.prefill_attention(torch.randn(7, HQ, D), seq, 0)
     after = cache.stats()
-    assert {k: v for k, v in before.items() if k != "lock_hold"} == \
-        {k: v for k, v in after.items() if k != "lock_hold"}
+    assert {k: v for k, v in before.items() if k not in ("lock_hold", "threads")} == \
+        {k: v for k, v in after.items() if k not in ("lock_hold", "threads")}
     check_invariants(cache)
     cache.close(seq)
     meta = TieredKVCache(CacheConfig.from_dict({"storage": "none"}))

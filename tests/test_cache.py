@@ -10,21 +10,26 @@ import pytest
 import torch
 
 from tests.helpers import (
+    BlockView,
     assert_same_data,
+    block_at,
     cached_prefix_blocks,
     check_invariants,
     gathered,
+    in_index,
+    indexed,
     invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     keys_of,
     make_cache,
     make_config,
     random_kv,
+    seq_blocks,
     snapshot,
     tokens,
     write_random,
 )
 from tiered_cache import TieredKVCache
-from tiered_cache.block import NO_SLOT
+from tiered_cache.core.blocks import NO_SLOT
 from tiered_cache.errors import CapacityError
 from tiered_cache.policies import POLICIES
 
@@ -116,8 +121,8 @@ def test_reserve_last_never_covers_last_token():
     assert longer.num_cached_tokens == 8
     plain = cache.open(tokens(8))
     assert plain.num_cached_tokens == 8
-    cache.shutdown()
     assert cache.open([], reserve_last=True).num_cached_tokens == 0
+    cache.shutdown()
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])
@@ -227,12 +232,12 @@ def test_one_device_copy_of_a_shared_prompt():
         assert s.cached_tokens_by_tier == {"gpu": 12, "host": 0}
         suffix_kv[s.id] = write_random(cache, s, g)
         seqs.append(s)
-    prompt_slots = {b.slots[GPU] for s in seqs for b in s.blocks[:3]}
+    prompt_slots = {b.slots[GPU] for s in seqs for b in seq_blocks(cache, s)[:3]}
     assert len(prompt_slots) == 3
-    assert len({id(s.blocks[0]) for s in seqs}) == 1
+    assert len({s.blocks[0] for s in seqs}) == 1
     assert cache.stats()["tiers"]["gpu"]["used_blocks"] == 3 + 100
     assert cache.stats()["tiers"]["gpu"]["pinned_blocks"] == 3 + 100
-    assert all(b.ref_count == 100 for b in first.blocks[:3])
+    assert all(b.ref_count == 100 for b in seq_blocks(cache, first)[:3])
     for s in seqs[::17]:
         for layer in range(cache.num_layers):
             gk, gv = cache.gather(s, layer)
@@ -263,7 +268,7 @@ def test_shared_prompt_demoted_to_host_and_back(dtype):
     # Push the prompt out of the device tier with other prompts (4 blocks each). It is the
     # least recently used chain, so it leaves once the device is full (see
     # test_lru_evicts_a_stale_chain_before_fresher_leaves for how fast it should leave).
-    sys_blocks = [cache.index[k] for k in keys_of(cache, SYSTEM)]
+    sys_blocks = [block_at(cache, k) for k in keys_of(cache, SYSTEM)]
     for i in range(64):
         s = cache.open(tokens(16, start=10_000 + 100 * i))
         write_random(cache, s, g)
@@ -285,7 +290,7 @@ def test_shared_prompt_demoted_to_host_and_back(dtype):
         assert torch.equal(gk, original[layer][0][:12])
         assert torch.equal(gv, original[layer][1][:12])
         assert torch.equal(gk, sys_kv[layer][0][:12])
-    assert all(b.slots[GPU] != NO_SLOT for b in again.blocks)
+    assert all(b.slots[GPU] != NO_SLOT for b in seq_blocks(cache, again))
     cache.close(again)
     # Now resident in both tiers; the next open is a device hit.
     assert cache.open(SYSTEM).cached_tokens_by_tier == {"gpu": 12, "host": 0}
@@ -313,12 +318,12 @@ def test_write_policy(policy):
     through = policy == "write_through"
     assert s["write_through_blocks"] == (2 if through else 0)
     assert s["tiers"]["host"]["used_blocks"] == (2 if through else 0)
-    assert all((b.slots[HOST] != NO_SLOT) == through for b in seq.blocks[:2])
-    assert seq.blocks[2].slots[HOST] == NO_SLOT          # the partial block is private
+    assert all((b.slots[HOST] != NO_SLOT) == through for b in seq_blocks(cache, seq)[:2])
+    assert seq_blocks(cache, seq)[2].slots[HOST] == NO_SLOT          # the partial block is private
     cache.close(seq)
     _fill_device(cache, g)                                # evicts the prompt from gpu
     s = cache.stats()
-    blocks = [cache.index[k] for k in keys_of(cache, prompt)]
+    blocks = [block_at(cache, k) for k in keys_of(cache, prompt)]
     assert all(b.slots[GPU] == NO_SLOT and b.slots[HOST] != NO_SLOT for b in blocks)
     assert s["tiers"]["gpu"]["evictions"] >= 2
     if through:
@@ -382,12 +387,13 @@ def test_host_full_evicts_for_good(storage):
     assert s["tiers"]["host"]["evictions"] == 4
     assert s["cached_blocks"] == 8
     assert cached_prefix_blocks(cache, prompts[0]) == 0
-    assert all(k not in cache.index for k in keys_of(cache, prompts[0]))
+    assert not any(in_index(cache, k) for k in keys_of(cache, prompts[0]))
     for k in keys_of(cache, prompts[1]):
-        assert cache.index[k].slots == [NO_SLOT, cache.index[k].slots[HOST]]
-        assert cache.index[k].slots[HOST] != NO_SLOT
+        assert block_at(cache, k).slots == [NO_SLOT, block_at(cache, k).slots[HOST]]
+        assert block_at(cache, k).slots[HOST] != NO_SLOT
     for k in keys_of(cache, prompts[2]):
-        assert cache.index[k].slots[GPU] != NO_SLOT and cache.index[k].slots[HOST] == NO_SLOT
+        b = block_at(cache, k)
+        assert b.slots[GPU] != NO_SLOT and b.slots[HOST] == NO_SLOT
     if storage == "tensors":
         again = cache.open(prompts[1])
         assert again.cached_tokens_by_tier["host"] == 16
@@ -459,7 +465,7 @@ def test_leaves_first_chain(policy):
     keys = keys_of(cache, chain)
     for need, remain in ((3, 3), (4, 2), (5, 1), (6, 0)):
         s = cache.open(tokens(need * cache.block_size, start=100_000 + need * 1000))
-        present = [k in cache.index for k in keys]
+        present = [in_index(cache, k) for k in keys]
         # What remains of the chain is always a prefix of it: the leaf went first.
         assert present == [True] * remain + [False] * (4 - remain), present
         check_invariants(cache)
@@ -478,18 +484,28 @@ def test_victims_are_always_leaves_of_their_tier(policy, host_blocks):
     cache = make_cache(gpu_blocks=8, host_blocks=host_blocks, storage="none", policy=policy)
     seen = {"victims": 0}
     for tier in cache.tiers:
-        original = tier.policy.victims
+        many, one = tier.policy.victims, tier.policy.victim
 
-        def checked(n, _t=tier.index, _orig=original):
-            out = _orig(n)
-            for v in out:
-                kids = [c for c in v.children.values() if c.slots[_t] != NO_SLOT]
-                assert not kids, f"victim {v} of tier {_t} has resident children {kids}"
-                assert v.ref_count == 0 or any(s != NO_SLOT for s in v.slots[:_t])
-                seen["victims"] += 1
+        def check(b, _t=tier.index):
+            v = BlockView(cache, b)
+            kids = [c for c in v.children if c.slots[_t] != NO_SLOT]
+            assert not kids, f"victim {v} of tier {_t} has resident children {kids}"
+            assert v.ref_count == 0 or any(s != NO_SLOT for s in v.slots[:_t])
+            seen["victims"] += 1
+
+        def checked_many(n, _many=many, _check=check):
+            out = _many(n)
+            for b in out:
+                _check(b)
             return out
 
-        tier.policy.victims = checked
+        def checked_one(_one=one, _check=check):
+            b = _one()
+            if b >= 0:
+                _check(b)
+            return b
+
+        tier.policy.victims, tier.policy.victim = checked_many, checked_one
     rng = random.Random(policy)
     stems = [tokens(8, start=i * 100) for i in range(4)]
     for _ in range(300):
@@ -564,7 +580,7 @@ def test_invalidate_drops_subtree_from_every_tier():
     before = cache.stats()
     assert before["tiers"]["host"]["used_blocks"] == 3
     assert before["cached_blocks"] == 7 + 4
-    stem_blocks = [b for k, b in cache.index.items()
+    stem_blocks = [b for k, b in indexed(cache).items()
                    if k in set(keys_of(cache, branches[0]) + keys_of(cache, branches[1]))]
     assert len(stem_blocks) == 5
     assert {b.fastest_tier() for b in stem_blocks} == {GPU, HOST}    # spread over both tiers
@@ -724,7 +740,7 @@ def test_failed_open_does_not_change_later_evictions(policy):
             out.append((s.num_cached_tokens, tuple(sorted(s.cached_tokens_by_tier.items()))))
             cache.mark_computed(s)
             cache.close(s)
-        return out, sorted(cache.index)
+        return out, sorted(cache.index.prefix)
 
     a = traffic(make_cache(gpu_blocks=6, host_blocks=4, storage="none", policy=policy), False)
     b = traffic(make_cache(gpu_blocks=6, host_blocks=4, storage="none", policy=policy), True)
@@ -810,7 +826,7 @@ def test_two_sequences_racing_on_the_same_prompt():
     used = cache.stats()["tiers"]["gpu"]["used_blocks"]
     write_random(cache, b, g)
     assert cache.stats()["duplicates"] >= 1
-    assert [blk.id for blk in b.blocks] == [blk.id for blk in a.blocks]
+    assert b.blocks == a.blocks
     assert cache.stats()["tiers"]["gpu"]["used_blocks"] == used - 2     # b's copies freed
     for s in (a, b):
         gk, _ = cache.gather(s, 0)
@@ -856,7 +872,7 @@ def test_round_trip_through_host_with_background_migrator(write_policy):
         s = cache.open(prompt)
         written = write_random(cache, s, g)
         cache.close(s)
-        blocks = [cache.index[k] for k in keys_of(cache, prompt)]
+        blocks = [block_at(cache, k) for k in keys_of(cache, prompt)]
         for i in range(40):                               # push it to host
             f = cache.open(tokens(8, start=40_000 + 100 * i))
             write_random(cache, f, g)
@@ -865,7 +881,7 @@ def test_round_trip_through_host_with_background_migrator(write_policy):
             if all(b.slots[GPU] == NO_SLOT for b in blocks):
                 break
         assert all(b.slots[GPU] == NO_SLOT and b.slots[HOST] != NO_SLOT for b in blocks)
-        assert all(cache.index.get(b.key) is b for b in blocks)
+        assert all(cache.index.lookup(b.key) == b.id for b in blocks)
         again = cache.open(prompt)
         assert again.num_cached_tokens == 12
         assert again.cached_tokens_by_tier["host"] == 12
@@ -973,7 +989,7 @@ def test_write_copies_without_the_lock_and_refuses_racing_writers(monkeypatch):
     from tiered_cache.errors import BusySequenceError
 
     cache = make_cache()
-    pool = cache.tiers[0].pool
+    pool = cache.pools[0]
     real = pool.write_tokens
     entered, release = threading.Event(), threading.Event()
 

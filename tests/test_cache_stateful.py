@@ -195,7 +195,8 @@ class CacheMachine(RuleBasedStateMachine):
             assert t["pinned_blocks"] == 0
         # Only published blocks hold slots once nothing is open.
         used = sum(t["used_blocks"] for t in s["tiers"].values())
-        copies = sum(sum(1 for x in b.slots if x >= 0) for b in self.cache.index.values())
+        idx = self.cache.index
+        copies = sum(sum(1 for x in idx.blocks.copies(b) if x >= 0) for b in idx.prefix.values())
         assert used == copies
 
 

@@ -10,8 +10,8 @@ import torch
 
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.errors import DTypeError
-from tiered_cache.invariants import check_invariants
+from tiered_cache.core.invariants import check_invariants
+from tiered_cache.errors import DTypeError, KVValueError
 
 L, H, HQ, D, BS = 2, 2, 4, 16, 4
 
@@ -95,7 +95,7 @@ def test_fp8_rejects_integer_and_non_finite_kv_without_change():
     seq = cache.open(list(range(BS)))
     bad = torch.zeros(BS, H, D)
     bad[0, 0, 0] = float("nan")
-    with pytest.raises(DTypeError, match="finite"):
+    with pytest.raises(KVValueError, match="NaN or inf.*fp8_e4m3 storage needs finite"):
         cache.write(seq, 0, bad, bad)
     with pytest.raises(DTypeError, match="float16, bfloat16 or float32"):
         cache.write(seq, 0, torch.zeros(BS, H, D, dtype=torch.int32),

@@ -16,10 +16,10 @@ pytest.importorskip("transformers")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tiered_cache import CacheConfig, TieredKVCache  # noqa: E402
+from tiered_cache.core.invariants import check_invariants  # noqa: E402
 from tiered_cache.errors import SequenceClosedError  # noqa: E402
 from tiered_cache.integrations import transformers as tc_hf  # noqa: E402
 from tiered_cache.integrations.transformers import TieredCache, prefill  # noqa: E402
-from tiered_cache.invariants import check_invariants  # noqa: E402
 
 BS = 16
 ATOL = 1e-5

@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
+from tests.helpers import block_at, seq_blocks
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
+from tiered_cache.core.invariants import check_invariants
 from tiered_cache.errors import CapacityError, PromotionTimeout, TransferError
-from tiered_cache.invariants import check_invariants
 
 LAYERS, HEADS, DIM, BS = 3, 1, 4, 4
 
@@ -229,7 +230,7 @@ def test_compaction_reduces_fragmentation_and_keeps_data():
     assert gpu.allocator.fragmentation() > 0.5
     from tiered_cache.migrator import Compactor
 
-    compactor = Compactor(cache, cache.config.compactor, start=False)
+    compactor = Compactor(cache.index, cache.executor, cache.config.compactor, start=False)
     moved = compactor.compact(0)
     assert moved > 0
     assert gpu.allocator.fragmentation() <= 0.1
@@ -254,7 +255,7 @@ def test_shutdown_with_copies_in_flight_loses_nothing():
     assert not cache.open_sequences()
     check_invariants(cache)
     assert all(t.pinned_blocks == 0 for t in cache.tiers)
-    assert cache.index                                         # blocks are still cached
+    assert cache.index.prefix                                  # blocks are still cached
 
 
 def stress_api(cache, seed: int, stop: float, errors: list[BaseException]) -> None:
@@ -330,7 +331,7 @@ def test_watermark_demotion_moves_whole_chains_as_contiguous_runs():
         time.sleep(0.01)
     settle(cache)
     with cache.locked():
-        chain = [cache.index[k] for k in keys_of(cache, prompt)]
+        chain = [block_at(cache, k) for k in keys_of(cache, prompt)]
         host = [b.slots[1] for b in chain]
     assert all(s >= 0 for s in host)
     assert host == list(range(host[0], host[0] + len(host)))     # one contiguous run
@@ -364,7 +365,7 @@ def test_synchronous_moves_roll_back_a_failed_copy(monkeypatch):
     cache_prompt(cache, prompt)
     for p in range(4):                                          # push the prompt to host
         cache_prompt(cache, [6000 + p * 100 + i for i in range(2 * BS)])
-    cached = set(cache.index)
+    cached = set(cache.index.prefix)
 
     def broken(*args, **kwargs):
         raise OSError("injected")
@@ -374,7 +375,7 @@ def test_synchronous_moves_roll_back_a_failed_copy(monkeypatch):
     check_invariants(cache)
     # Room was made first (blocks that also had a host copy left the device), but nothing
     # cached was lost and the reserved device slots were given back (invariants: no leak).
-    assert set(cache.index) == cached
+    assert set(cache.index.prefix) == cached
     monkeypatch.undo()
     seq = cache.open(prompt)                                    # works once copies do
     assert seq.cached_tokens_by_tier["host"] > 0
@@ -384,8 +385,11 @@ def test_synchronous_moves_roll_back_a_failed_copy(monkeypatch):
     monkeypatch.setattr(kernels, "copy_blocks_to_host", broken)
     fresh = [9000 + i for i in range(BS)]
     seq = cache.open(fresh)
-    with pytest.raises(TransferError, match="injected"):
-        fill(cache, seq, fresh)                                 # write-through copy fails
+    failures = cache.stats()["transfer_failures"]
+    fill(cache, seq, fresh)         # the write-through copy fails: not an error for the write
+    assert cache.stats()["transfer_failures"] == failures + 1
+    assert cache.stats()["write_through_blocks"] == 0 or all(
+        b.slots[1] == -1 for b in seq_blocks(cache, seq))     # no host copy was recorded
     monkeypatch.undo()
     check_invariants(cache)
     check_data(cache, seq, fresh)                               # the device copy is intact
@@ -398,25 +402,23 @@ def test_demotion_batches_of_one_long_chain_pipeline_in_chain_order():
     """While a batch of a chain is in flight its parents are not candidates yet; the next
     batch starts from them anyway (moves._chain_tops), and committing in batch order keeps
     leaves leaving first."""
-    from tiered_cache import moves
-    from tiered_cache.transfer import execute
+    from tiered_cache.core import moves
 
     cache = make(16, 32, migrator={"enabled": False})
     prompt = list(range(12 * BS))
     cache_prompt(cache, prompt)
+    idx = cache.index
     with cache.locked():
-        chain = [cache.index[k] for k in keys_of(cache, prompt)]
-        first = moves.plan_demotion(cache, 4)
-        assert {t.block.id for t in first} == {b.id for b in chain[8:]}
-        second = moves.plan_demotion(cache, 4, after=first)
-        assert {t.block.id for t in second} == {b.id for b in chain[4:8]}
+        chain = [block_at(cache, k) for k in keys_of(cache, prompt)]
+        first = moves.plan_demotion(idx, 0, 1, 4)
+        assert {t.block for t in first} == {b.id for b in chain[8:]}
+        second = moves.plan_demotion(idx, 0, 1, 4, after=first)
+        assert {t.block for t in second} == {b.id for b in chain[4:8]}
         assert cache.tiers[0].policy.victims(1) == []      # nothing else is evictable now
-    pools = [t.pool for t in cache.tiers]
     for batch in (first, second):
-        execute(batch, pools)
-        with cache.locked():
-            moves.commit_demotion(cache, batch, True)
-            check_invariants(cache)
+        cache.executor.run(batch)
+        moves.commit_demotion(idx, batch, True)
+        check_invariants(cache)
     assert all(b.slots[0] == -1 and b.slots[1] >= 0 for b in chain[4:])
     seq = cache.open(prompt)
     assert seq.num_cached_tokens == len(prompt)

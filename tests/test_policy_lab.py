@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 
+from tiered_cache.core.blocks import NO_SLOT, BlockTable
 from tiered_cache.policies import POLICIES
 from tiered_cache.policies.belady import NEVER, BeladyPolicy, NextUseOracle, block_key
 from tiered_cache.policies.reuse_credit import ReuseCreditPolicy
@@ -164,20 +165,19 @@ def test_hot_block_among_one_hit_wonders(policy, hits):
 
 
 def test_reuse_credit_formula_and_overdue_cap():
-    p = ReuseCreditPolicy(8)
-    from tiered_cache.block import Block
-
-    b = Block(id=1, depth=0, num_tiers=1)
-    b.hits, b.inserted_at, b.last_access = 3, 10, 50
+    t = BlockTable(num_tiers=1, block_size=BS)
+    p = ReuseCreditPolicy(8, blocks=t)
+    b = t.new(0)
+    t.hits[b], t.inserted_at[b], t.last_access[b] = 3, 10, 50
     assert p.uses(b) == 4
     assert p.credit(b) == 0.0                      # no lifetime measured yet: LRU
     p._lifetime = 8.0
     assert p.credit(b) == pytest.approx(16.0)      # 8 * log2(4)
     assert p.priority(b) == pytest.approx(66.0)
-    b.inserted_at = 45                             # 4 uses within 5 ticks, silent since:
+    t.inserted_at[b] = 45                          # 4 uses within 5 ticks, silent since:
     assert p.credit(b) == pytest.approx(2 * 5 / 3)  # at most twice the mean interval (5/3)
-    once = Block(id=2, depth=0, num_tiers=1)
-    once.last_access = 50
+    once = t.new(0)
+    t.last_access[once] = 50
     assert p.credit(once) == 0.0                   # used once: no credit
 
 
@@ -254,20 +254,22 @@ def test_next_use_oracle():
 
 
 def test_belady_without_oracle_is_lru_and_reads_block_keys():
-    from tiered_cache.block import Block
-
-    p = BeladyPolicy(4)
+    t = BlockTable(num_tiers=1, block_size=BS)
+    p = BeladyPolicy(4, blocks=t)
     blocks = []
-    for i, la in enumerate([5, 1, 3]):
-        b = Block(id=i, depth=0, num_tiers=1)
-        b.last_access = la
+    for la in [5, 1, 3]:
+        b = t.new(0)
+        t.last_access[b] = la
         blocks.append(b)
         p.insert(b)
-    assert [b.id for b in p.victims(3)] == [1, 2, 0]
-    b = Block(id=9, depth=0, num_tiers=1)
-    b.tokens = np.full(2, 1234, np.int32).tobytes()
-    assert block_key(b) == 1234
-    assert block_key(Block(id=10, depth=0, num_tiers=1)) is None
+    assert p.victims(3) == [blocks[1], blocks[2], blocks[0]]
+    b = t.new(0)
+    t.tokens[b] = np.full(BS, 1234, np.int32)     # what replay publishes for trace id 1234
+    t.key[b] = b"k" * 16
+    assert block_key(t, b) == 1234
+    private = t.new(0)
+    t.tokens[private] = 99                        # a private row's tokens mean nothing
+    assert block_key(t, private) is None
 
 
 def test_two_tier_replay_reports_moves():
@@ -284,22 +286,23 @@ def test_two_tier_replay_reports_moves():
 
 
 def test_reuse_credit_spare_copies_go_first_and_stale_ones_are_rekeyed():
-    from tiered_cache.block import NO_SLOT, Block
+    t = BlockTable(num_tiers=2, block_size=BS)
 
-    def blk(i, la, slots):
-        b = Block(id=i, depth=0, num_tiers=2)
-        b.last_access = la
-        b.slots[:] = slots
+    def blk(la, slots):
+        b = t.new(0)
+        t.last_access[b] = la
+        for tier, slot in enumerate(slots):
+            t.slots[tier][b] = slot
         return b
 
-    p = ReuseCreditPolicy(8)
-    only = blk(1, 5, [NO_SLOT, 3])        # the block's only copy, least recent
-    spare = blk(2, 10, [0, 4])            # also held by the device tier: a spare copy
+    p = ReuseCreditPolicy(8, blocks=t)
+    only = blk(5, [NO_SLOT, 3])           # the block's only copy, least recent
+    spare = blk(10, [0, 4])               # also held by the device tier: a spare copy
     p.insert(only)
     p.insert(spare)
     assert p.victims(1) == [spare]
     p.insert(spare)
-    spare.slots[0] = NO_SLOT              # its device copy left; nobody re-keyed it here
+    t.slots[0][spare] = NO_SLOT           # its device copy left; nobody re-keyed it here
     assert p.victims(1) == [only]         # so it is re-keyed by its own recency instead
     assert p.victims(1) == [spare] and len(p) == 0
 

@@ -12,8 +12,8 @@ from tests.test_migrator import BS, cache_prompt, check_data, fill, settle, stre
 from tests.test_migrator import make as make_on
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.errors import CapacityError, TierUnavailableError
-from tiered_cache.invariants import check_invariants
+from tiered_cache.core.invariants import check_invariants
+from tiered_cache.errors import ArgumentError, CapacityError, TierUnavailableError
 
 
 def make(gpu: int, host: int, **kw) -> TieredKVCache:
@@ -54,12 +54,13 @@ def test_shrink_then_grow_keeps_data_and_frees_segments():
         cache_prompt(cache, p)
     before = sum(cached_tokens(cache, p, check=False) == len(p) for p in ps)
     assert host.allocator.highest_used() >= 16
-    segments = host.pool._segmented[0][1]
+    pool = cache.pools[1]
+    segments = pool._segmented[0][1]
     backed = segments.backed_segments
 
     assert cache.resize("host", 40) == 40        # everything still fits: nothing is lost
     check_invariants(cache)
-    assert host.capacity_blocks == 40 and host.pool.kv.shape[0] == 40
+    assert host.capacity_blocks == 40 and pool.kv.shape[0] == 40
     assert host.allocator.highest_used() < 40
     assert segments.backed_slots >= 40 and segments.backed_segments <= backed
     after = sum(cached_tokens(cache, p) == len(p) for p in ps)
@@ -67,7 +68,7 @@ def test_shrink_then_grow_keeps_data_and_frees_segments():
 
     assert cache.resize("host", 200) == 200      # grow back, and past the start
     check_invariants(cache)
-    assert host.pool.kv.shape[0] == 200 and host.allocator.num_free > 150
+    assert pool.kv.shape[0] == 200 and host.allocator.num_free > 150
     for p in prompts(40, base=10**6):            # the new slots are used
         cache_prompt(cache, p)
     assert host.allocator.num_used > 64
@@ -141,19 +142,22 @@ def test_a_shrink_waits_for_a_sequence_that_closes_meanwhile():
 
 
 @pytest.mark.parametrize("bad, error, match", [
-    (("cpu", 4), KeyError, "no tier named 'cpu'"),
-    (("gpu", 0), ValueError, "at least 1"),
-    (("gpu", -3), ValueError, "at least 1"),
-    (("gpu", 4.0), TypeError, "num_blocks must be an int"),
-    (("gpu", True), TypeError, "num_blocks must be an int"),
-    (("gpu", "8"), TypeError, "num_blocks must be an int"),
+    (("cpu", 4), TierUnavailableError, "no tier named 'cpu'"),
+    (("disk", 10), TierUnavailableError, "no tier named 'disk'"),
+    (("gpu", 0), ArgumentError, "at least 1"),
+    (("gpu", -3), ArgumentError, "at least 1"),
+    (("gpu", 10**400), ArgumentError, "at most"),
+    (("gpu", 4.0), ArgumentError, "num_blocks must be an int"),
+    (("gpu", True), ArgumentError, "num_blocks must be an int"),
+    (("gpu", "8"), ArgumentError, "num_blocks must be an int"),
+    (("host", "lots"), ArgumentError, "num_blocks must be an int"),
 ])
 def test_bad_input_is_refused_and_changes_nothing(bad, error, match):
     cache = make(8, 16, migrator={"enabled": False})
     cache_prompt(cache, prompts(1)[0])
     with pytest.raises(error, match=match):
         cache.resize(*bad)
-    with pytest.raises(ValueError, match="timeout must be > 0"):
+    with pytest.raises(ArgumentError, match="timeout must be > 0"):
         cache.resize("gpu", 4, timeout=0)
     check_invariants(cache)
     assert cache.tiers[0].capacity_blocks == 8
@@ -170,17 +174,17 @@ def test_growth_past_max_num_blocks_or_memory_is_refused(monkeypatch):
     with pytest.raises(CapacityError, match="exceed max_num_blocks 16"):
         cache.resize("gpu", 17)
     assert cache.resize("gpu", 16) == 16
-    monkeypatch.setattr("tiered_cache.storage._available_bytes", lambda device: 1000)
+    monkeypatch.setattr("tiered_cache.data.pools._available_bytes", lambda device: 1000)
     with pytest.raises(CapacityError, match="more bytes of memory but only 1,000"):
         cache.resize("host", 10_000)
     check_invariants(cache)
-    assert cache.tiers[1].capacity_blocks == 16 and cache.tiers[1].pool.kv.shape[0] == 16
+    assert cache.tiers[1].capacity_blocks == 16 and cache.pools[1].kv.shape[0] == 16
     cache.shutdown()
 
 
 def test_fixed_pools_refuse_to_resize():
     cache = make(8, 16, migrator={"enabled": False})
-    pool = cache.tiers[0].pool
+    pool = cache.pools[0]
     pool._segmented, pool._fixed_reason = [], "a CUDA device pool is allocated once"
     with pytest.raises(TierUnavailableError, match="fixed size"):
         cache.resize("gpu", 12)
@@ -200,7 +204,7 @@ def test_resize_without_storage_moves_metadata_only():
     check_invariants(cache)
     cache.resize("gpu", 30)
     check_invariants(cache)
-    assert cache.tiers[0].capacity_blocks == 30 and len(cache.index) == 6
+    assert cache.tiers[0].capacity_blocks == 30 and len(cache.index.prefix) == 6
 
 
 def test_shrink_then_grow_while_the_migrator_compactor_and_api_threads_run():
@@ -226,8 +230,8 @@ def test_shrink_then_grow_while_the_migrator_compactor_and_api_threads_run():
     settle(cache)
     check_invariants(cache)
     assert all(t.pinned_blocks == 0 for t in cache.tiers)
-    for t in cache.tiers:
-        assert t.pool.num_slots == t.allocator.num_slots == t.capacity_blocks
+    for t, pool in zip(cache.tiers, cache.pools):
+        assert pool.num_slots == t.allocator.num_slots == t.capacity_blocks
     seq = cache.open([1, 2, 3, 1] * 2)
     fill(cache, seq, [1, 2, 3, 1] * 2)
     check_data(cache, seq, [1, 2, 3, 1] * 2)
@@ -266,11 +270,10 @@ def test_cuda_device_pool_refuses_to_resize_and_pinned_host_resizes():
     cache = make_on(8, 16, migrator={"enabled": False}, device="cuda")
     with pytest.raises(TierUnavailableError, match="fixed size"):
         cache.resize("gpu", 12)
-    host = cache.tiers[1]
-    assert host.pool.memory == "pinned" and host.pool.kv.is_pinned()
+    assert cache.pools[1].memory == "pinned" and cache.pools[1].kv.is_pinned()
     cache_prompt(cache, prompts(1)[0])
     cache.resize("host", 64)
-    assert host.pool.kv.is_pinned()
+    assert cache.pools[1].kv.is_pinned()
     ps = prompts(12, base=10**5)
     for p in ps:
         cache_prompt(cache, p)                   # demotions into the grown pinned segments
@@ -292,7 +295,7 @@ def test_resizable_cuda_device_pool_grows_and_shrinks_with_data_intact():
                   "host": {"num_blocks": 64}},
         "migrator": {"enabled": False}, "compactor": {"enabled": False}}))
     gpu = cache.tiers[0]
-    assert gpu.pool.resizable and gpu.pool.kv.is_cuda
+    assert cache.pools[0].resizable and cache.pools[0].kv.is_cuda
     ps = prompts(6)
     for p in ps:
         cache_prompt(cache, p)
@@ -312,7 +315,7 @@ def test_resizable_cuda_device_pool_grows_and_shrinks_with_data_intact():
 
 def test_a_large_shrink_evicts_in_bounded_rounds(monkeypatch):
     """Each lock hold of a shrink evicts at most _MOVES_PER_ROUND blocks."""
-    from tiered_cache import resize as resize_mod
+    from tiered_cache.core import resize as resize_mod
 
     monkeypatch.setattr(resize_mod, "_MOVES_PER_ROUND", 8)
     cache = make(60, 0, migrator={"enabled": False})
@@ -320,14 +323,14 @@ def test_a_large_shrink_evicts_in_bounded_rounds(monkeypatch):
         cache_prompt(cache, p)
     gpu = cache.tiers[0]
     rounds: list[int] = []
-    real = cache._evict
+    real = cache.index.evict
 
     def counting(t, n, need=None):
         before = gpu.evictions
         real(t, n, need=need)
         rounds.append(gpu.evictions - before)
 
-    monkeypatch.setattr(cache, "_evict", counting)
+    monkeypatch.setattr(cache.index, "evict", counting)
     cache.resize("gpu", 4)
     check_invariants(cache)
     assert len(rounds) >= 7 and max(rounds) <= 8 and sum(rounds) == 56
@@ -341,7 +344,7 @@ def test_shrinking_the_device_tier_with_the_migrator_demotes_in_the_background(m
         cache_prompt(cache, p)
     settle(cache)
     with monkeypatch.context() as m:              # no eviction (and copy) under the lock
-        m.setattr(cache, "_evict", lambda *a, **k: pytest.fail("synchronous eviction"))
+        m.setattr(cache.index, "evict", lambda *a, **k: pytest.fail("synchronous eviction"))
         cache.resize("gpu", 6, timeout=10.0)
     settle(cache)
     check_invariants(cache)

@@ -6,9 +6,9 @@ import psutil
 import pytest
 import torch
 
+from tiered_cache.data.pools import make_pool
+from tiered_cache.data.segments import SegmentedTensor, default_max_slots, default_segment_slots
 from tiered_cache.errors import CapacityError
-from tiered_cache.segments import SegmentedTensor, default_max_slots, default_segment_slots
-from tiered_cache.storage import make_pool
 
 
 def layer_major(num_slots: int = 10, max_slots: int = 64, seg: int = 4) -> SegmentedTensor:
@@ -180,7 +180,7 @@ class FakeDriver:
 def test_cuda_reservation_maps_and_unmaps_per_range_and_rolls_back(monkeypatch):
     """The bookkeeping of the CUDA virtual memory path against a fake driver (the real one is
     exercised by the gpu-marked tests)."""
-    from tiered_cache import cuda_vmm
+    from tiered_cache.data import cuda_vmm
     from tiered_cache.errors import TierUnavailableError
 
     fake = FakeDriver()
@@ -205,7 +205,7 @@ def test_cuda_reservation_maps_and_unmaps_per_range_and_rolls_back(monkeypatch):
 def test_pinned_segments_are_registered_as_whole_pages(monkeypatch):
     """Each pinned segment is page-locked on its own (cudaHostRegister); two registrations
     sharing a page would fail, so segment ranges are whole pages, for KV and FP8 scales."""
-    from tiered_cache.segments import PAGE
+    from tiered_cache.data.segments import PAGE
 
     registered: list[tuple[int, int]] = []
 

@@ -2,7 +2,7 @@
 
 from tiered_cache.cache import TieredKVCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.sequence import Sequence
+from tiered_cache.core.sequence import Sequence
 
 __all__ = ["TieredKVCache", "CacheConfig", "Sequence"]
 __version__ = "0.1.0"

@@ -63,3 +63,15 @@ class TransferError(TieredCacheError):
 
 class PromotionTimeout(TieredCacheError, TimeoutError):
     """A layer of an in-flight promotion did not land within the wait timeout."""
+
+
+class CacheClosedError(TieredCacheError, RuntimeError):
+    """The cache was shut down; every call after `shutdown()` raises this."""
+
+
+class KVValueError(TieredCacheError, ValueError):
+    """KV values the cache refuses to store: NaN or infinity (see `allow_non_finite_kv`)."""
+
+
+class ArgumentError(TieredCacheError, ValueError, TypeError):
+    """A call argument has the wrong type or is out of range (e.g. `resize("gpu", 0)`)."""

@@ -9,7 +9,7 @@ The library never starts an HTTP server unless asked (`metrics.http_port`, or `s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import (
@@ -19,20 +19,21 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from tiered_cache.errors import ConfigError
 from tiered_cache.locking import BUCKETS
-
-if TYPE_CHECKING:
-    from tiered_cache.cache import TieredKVCache
 
 PREFIX = "tiered_cache"
 
 
 class CacheCollector(Collector):
-    def __init__(self, cache: TieredKVCache) -> None:
-        self.cache = cache
+    """Metric families from a cache's `stats()` (and its index's timing histograms)."""
+
+    def __init__(self, stats: Callable[[], dict], index) -> None:
+        self.stats = stats
+        self.index = index
 
     def collect(self):
-        s = self.cache.stats()
+        s = self.stats()
         query = CounterMetricFamily(f"{PREFIX}_query_tokens", "Prompt tokens looked up by open()")
         query.add_metric([], s["query_tokens"])
         hit = CounterMetricFamily(f"{PREFIX}_hit_tokens",
@@ -86,12 +87,26 @@ class CacheCollector(Collector):
                                  labels=["tier"])
         for name, t in s["tiers"].items():
             frag.add_metric([name], t["fragmentation"])
+        degraded = CounterMetricFamily(f"{PREFIX}_degraded_evictions",
+                                       "Evicted blocks dropped instead of demoted because the "
+                                       "copy down failed (a miss later, never an error)")
+        degraded.add_metric([], s["degraded_evictions"])
+        background = CounterMetricFamily(f"{PREFIX}_background_errors",
+                                         "Exceptions caught (logged, survived) in background "
+                                         "threads", labels=["thread"])
+        alive = GaugeMetricFamily(f"{PREFIX}_background_thread_alive",
+                                  "1 while the background thread runs", labels=["thread"])
+        for name, t in s["threads"].items():
+            background.add_metric([name], t["errors"])
+            alive.add_metric([name], 1.0 if t["alive"] else 0.0)
+        index = self.index
         yield from (query, hit, evictions, capacity, used, pinned, moves, moved_bytes,
                     collisions, cached, open_seqs, failures, retries, sync, compaction, frag,
+                    degraded, background, alive,
                     _histogram("lock_hold_seconds", "Control-plane lock hold time, per hold",
-                               self.cache._lock.holds),
+                               index.lock.holds),
                     _histogram("lookup_seconds", "Time of open(): prefix match, pin, reserve",
-                               self.cache.lookups))
+                               index.lookups))
 
 
 def _histogram(name: str, doc: str, holds) -> HistogramMetricFamily:
@@ -106,5 +121,11 @@ def _histogram(name: str, doc: str, holds) -> HistogramMetricFamily:
 
 
 def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1"):
-    """Expose `registry` over HTTP (only when explicitly asked)."""
-    return start_http_server(port, addr=addr, registry=registry)
+    """Expose `registry` over HTTP (only when explicitly asked). Returns (server, thread).
+    A port in use raises ConfigError naming `metrics.http_port`."""
+    try:
+        return start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError("metrics.http_port",
+                          f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") \
+            from None

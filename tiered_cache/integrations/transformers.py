@@ -45,9 +45,9 @@ import numpy as np
 import torch
 
 from tiered_cache.cache import TieredKVCache
+from tiered_cache.core.sequence import Sequence
+from tiered_cache.data.pools import TORCH_DTYPES
 from tiered_cache.errors import SequenceClosedError
-from tiered_cache.sequence import Sequence
-from tiered_cache.storage import TORCH_DTYPES
 
 MIN_TRANSFORMERS = "5.0"
 """Oldest transformers release whose `Cache` interface this module implements (tested: 5.24)."""

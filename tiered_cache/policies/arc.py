@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from tiered_cache.block import Block
 from tiered_cache.policies.base import CachePolicy
 from tiered_cache.policies.s3fifo import Parked, ghost_id
 
@@ -21,8 +20,8 @@ class ARCPolicy(CachePolicy):
 
     - T1 holds blocks used once (recency), T2 blocks used at least twice (frequency); both are
       LRU lists, least recent first.
-    - B1 and B2 remember the ids of blocks evicted from T1 and T2 (ghosts, no data).
-    - `p` is the adaptive target size of T1. A block re-entering the tier while its id is in B1
+    - B1 and B2 remember the content keys of blocks evicted from T1 and T2 (ghosts, no data).
+    - `p` is the adaptive target size of T1. A block re-entering the tier while its key is in B1
       means T1 was too small: p grows by max(1, |B2|/|B1|); found in B2, p shrinks by
       max(1, |B1|/|B2|). Either way the block goes to T2's MRU end.
     - `access` moves a candidate to T2's MRU end.
@@ -36,7 +35,9 @@ class ARCPolicy(CachePolicy):
 
     Adapted to candidates: T1/T2 only hold candidates. A pinned block leaves its list; which
     list, and whether it was hit meanwhile (then it rejoins T2), is kept in a bounded `Parked`
-    table, and it rejoins at the MRU end, since a pin means it was just in use.
+    table, and it rejoins at the MRU end, since a pin means it was just in use. Ghosts are keyed
+    by content (`ghost_id`) and parked entries carry the id's generation, so a block that gets a
+    recycled id inherits neither the ghost nor the parked state of the block that had it.
     """
 
     name = "arc"
@@ -45,11 +46,11 @@ class ARCPolicy(CachePolicy):
         super().__init__(capacity_blocks, **kw)
         self.c = max(1, capacity_blocks)
         self.p = 0.0
-        self._t1: OrderedDict[int, Block] = OrderedDict()   # LRU first, MRU last
-        self._t2: OrderedDict[int, Block] = OrderedDict()
-        self._b1: OrderedDict[bytes | int, None] = OrderedDict()
-        self._b2: OrderedDict[bytes | int, None] = OrderedDict()
-        self._parked = Parked(capacity_blocks)
+        self._t1: OrderedDict[int, None] = OrderedDict()    # block ids, LRU first, MRU last
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[bytes | tuple, None] = OrderedDict()    # ghost_id, oldest first
+        self._b2: OrderedDict[bytes | tuple, None] = OrderedDict()
+        self._parked = Parked(capacity_blocks, self.blocks)
 
     def resize(self, capacity_blocks: int) -> None:
         # The directory bounds follow c at the next replace; p keeps its learned split.
@@ -58,14 +59,13 @@ class ARCPolicy(CachePolicy):
         self.p = min(self.p, float(self.c))
         self._parked.limit = max(1, capacity_blocks)
 
-    def insert(self, block: Block) -> None:
-        bid = block.id
-        if bid in self._t1 or bid in self._t2:
+    def insert(self, b: int) -> None:
+        if b in self._t1 or b in self._t2:
             return
-        where = self._parked.pop(block)
+        where = self._parked.pop(b)
         if where is None or where in (NEW, NEW_HIT):
             # The block enters the tier: an ARC miss. A ghost hit adapts p.
-            gid = ghost_id(block)
+            gid = ghost_id(self.blocks, b)
             if gid in self._b1:
                 self.p = min(float(self.c), self.p + max(1.0, len(self._b2) / len(self._b1)))
                 del self._b1[gid]
@@ -77,44 +77,46 @@ class ARCPolicy(CachePolicy):
             else:
                 where = T2 if where == NEW_HIT else T1
         if where == T2:
-            self._t2[bid] = block
+            self._t2[b] = None
         else:
-            self._t1[bid] = block
+            self._t1[b] = None
             self._trim_ghosts()        # |T1| grew: keep |T1| + |B1| <= c
 
-    def remove(self, block: Block) -> None:
-        bid = block.id
-        if self._t1.pop(bid, None) is not None:
-            self._parked.put(block, T1)
-        elif self._t2.pop(bid, None) is not None:
-            self._parked.put(block, T2)
+    def remove(self, b: int) -> None:
+        if b in self._t1:
+            del self._t1[b]
+            self._parked.put(b, T1)
+        elif b in self._t2:
+            del self._t2[b]
+            self._parked.put(b, T2)
 
-    def access(self, block: Block) -> None:
-        bid = block.id
-        if bid in self._t1:            # second use: recency -> frequency
-            del self._t1[bid]
-            self._t2[bid] = block
-        elif bid in self._t2:
-            self._t2.move_to_end(bid)
+    def access(self, b: int) -> None:
+        if b in self._t1:              # second use: recency -> frequency
+            del self._t1[b]
+            self._t2[b] = None
+        elif b in self._t2:
+            self._t2.move_to_end(b)
         else:
-            where = self._parked.get(block)
-            self._parked.put(block, T2 if where in (T1, T2) else NEW_HIT)
+            where = self._parked.get(b)
+            self._parked.put(b, T2 if where in (T1, T2) else NEW_HIT)
 
-    def victims(self, n: int) -> list[Block]:
-        out: list[Block] = []
-        t1, t2 = self._t1, self._t2
+    def victims(self, n: int) -> list[int]:
+        out: list[int] = []
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        keys, gens = self.blocks.key, self.blocks.gen
         while len(out) < n and (t1 or t2):
             if t1 and (len(t1) > self.p or not t2):
-                _, block = t1.popitem(last=False)
-                gid = ghost_id(block)
-                self._b1[gid] = None
-                self._b1.move_to_end(gid)
+                b, _ = t1.popitem(last=False)
+                ghost = b1
             else:
-                _, block = t2.popitem(last=False)
-                gid = ghost_id(block)
-                self._b2[gid] = None
-                self._b2.move_to_end(gid)
-            out.append(block)
+                b, _ = t2.popitem(last=False)
+                ghost = b2
+            gid = keys[b]              # ghost_id, inlined
+            if gid is None:
+                gid = (b, gens[b])
+            ghost[gid] = None
+            ghost.move_to_end(gid)
+            out.append(b)
             self._trim_ghosts()
         return out
 

@@ -8,17 +8,26 @@ tells the policy every change, so a policy never has to skip over ineligible blo
 NOTE: "leaves first" falls out of the candidate rule: a parent only becomes a candidate once all
 of its children have left the tier, so a prefix is never cut in the middle.
 
-Hooks, all called with the cache lock held (keep them O(1) or O(log n)):
+Blocks are plain int ids, rows of the control plane's `BlockTable` (core/blocks.py), which the
+policy gets as `self.blocks` and reads (never writes): `blocks.last_access[b]`, `blocks.hits[b]`,
+`blocks.depth[b]`, `blocks.inserted_at[b]`, `blocks.key[b]` (content key, None while private),
+`blocks.slots[t][b]`, `blocks.parent[b]`, `blocks.has_children(b)`.
 
-- `insert(block)`: the block became a candidate.
-- `remove(block)`: the block stopped being a candidate (pinned, gained a child, copy dropped).
-- `access(block)`: a request reused the block (it may or may not be a candidate right now).
-  `block.hits` and `block.last_access` are already updated when this is called.
+Hooks, all called with the control-plane lock held (keep them O(1) or O(log n)):
+
+- `insert(b)`: block b became a candidate.
+- `remove(b)`: b stopped being a candidate (pinned, gained a child, copy dropped).
+- `access(b)`: a request reused b (it may or may not be a candidate right now).
+  `blocks.hits[b]` and `blocks.last_access[b]` are already updated when this is called.
 - `victims(n)`: remove and return up to `n` candidates, best victim first.
 
-Per-block history that must outlive candidacy lives on the `Block` (`hits`, `last_access`,
-`depth`, `inserted_at`); per-policy state keyed by `block.id` must be dropped in `remove`, or
+Per-block history that must outlive candidacy lives in the table (`hits`, `last_access`,
+`depth`, `inserted_at`); per-policy state keyed by the id must be dropped in `remove`, or
 bounded by the policy itself (ghost lists).
+
+NOTE: ids are recycled once a block is gone. State kept past `remove` (a parked queue position)
+stores `blocks.gen[b]` with it and ignores an entry whose generation differs; ghosts of evicted
+content are keyed by `blocks.key[b]`, never by the id.
 """
 
 from __future__ import annotations
@@ -27,32 +36,44 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 
-from tiered_cache.block import Block
+from tiered_cache.core.blocks import BlockTable
 
 
 class CachePolicy(ABC):
     name: str = "base"
+    hears_every_access: bool = True
+    """Whether `access` must be called for every reuse of a block with a copy in the tier.
+    False for policies whose `access` only re-keys current candidates: the index then skips
+    the call for the others (most blocks of a reused chain are not candidates)."""
 
-    def __init__(self, capacity_blocks: int, *, block_size: int = 16,
+    def __init__(self, capacity_blocks: int, *, blocks: BlockTable, block_size: int = 16,
                  cost_context_tokens: float = 53_000.0) -> None:
         # capacity_blocks: slots in the tier (for policies that size queues or ghosts).
+        # blocks: the table the ids index (read-only here).
         # cost_context_tokens: context length at which a token's attention FLOPs equal its
         # linear-layer FLOPs (P / (2 * layers * hidden)); used by cost-aware policies.
         self.capacity_blocks = capacity_blocks
+        self.blocks = blocks
         self.block_size = block_size
         self.cost_context_tokens = cost_context_tokens
 
     @abstractmethod
-    def insert(self, block: Block) -> None: ...
+    def insert(self, b: int) -> None: ...
 
     @abstractmethod
-    def remove(self, block: Block) -> None: ...
+    def remove(self, b: int) -> None: ...
 
-    def access(self, block: Block) -> None:  # noqa: B027 - optional hook, default: no state
-        """Most priority policies read `block.hits`/`last_access` at insert time instead."""
+    def access(self, b: int) -> None:  # noqa: B027 - optional hook, default: no state
+        """Most priority policies read `hits`/`last_access` at insert time instead."""
 
     @abstractmethod
-    def victims(self, n: int) -> list[Block]: ...
+    def victims(self, n: int) -> list[int]: ...
+
+    def victim(self) -> int:
+        """The best victim, removed, or -1 when there is no candidate (`victims(1)` without
+        the list; eviction takes victims one at a time)."""
+        got = self.victims(1)
+        return got[0] if got else -1
 
     def resize(self, capacity_blocks: int) -> None:
         """The tier was resized. Policies that size queues or ghosts from the capacity read
@@ -78,27 +99,38 @@ class PriorityPolicy(CachePolicy):
     """
 
     _DRAIN = 256
+    hears_every_access = False      # access() only re-keys live candidates
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        # A subclass with its own access() (state kept across pins, a clock) hears every
+        # reuse unless it says otherwise.
+        if "hears_every_access" not in cls.__dict__ and cls.access is not PriorityPolicy.access:
+            cls.hears_every_access = True
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
-        self._heap: list[tuple[float, int, int, Block]] = []
-        self._old: list[tuple[float, int, int, Block]] = []   # being drained into _heap
-        self._live: dict[int, int] = {}   # block.id -> sequence number of its live entry
+        # entries: (priority, -depth, entry number, block id)
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._old: list[tuple[float, int, int, int]] = []     # being drained into _heap
+        self._live: dict[int, int] = {}   # block id -> entry number of its live entry
         self._seq = itertools.count()
 
-    def priority(self, block: Block) -> float:
+    def priority(self, b: int) -> float:
         raise NotImplementedError
 
-    def insert(self, block: Block) -> None:
+    def insert(self, b: int) -> None:
         n = next(self._seq)
-        self._live[block.id] = n
+        self._live[b] = n
         # Ties: deeper blocks first (they are leaves of their chain), then oldest entry.
-        heapq.heappush(self._heap, (self.priority(block), -block.depth, n, block))
-        self._maybe_compact()
+        heapq.heappush(self._heap, (self.priority(b), -self.blocks.depth[b], n, b))
+        if self._old or len(self._heap) > 1024:
+            self._maybe_compact()
 
-    def remove(self, block: Block) -> None:
-        self._live.pop(block.id, None)
-        self._maybe_compact()
+    def remove(self, b: int) -> None:
+        popped = self._live.pop(b, None) is not None
+        if self._old or (popped and len(self._heap) > 1024):
+            self._maybe_compact()
 
     def _maybe_compact(self) -> None:
         # Checked on insert too, not only on remove: `access` re-keys a candidate by pushing a
@@ -114,33 +146,46 @@ class PriorityPolicy(CachePolicy):
         old, heap, live = self._old, self._heap, self._live
         for _ in range(min(self._DRAIN, len(old))):
             e = old.pop()
-            if live.get(e[3].id) == e[2]:
+            if live.get(e[3]) == e[2]:
                 heapq.heappush(heap, e)
 
-    def entries(self) -> list[tuple[float, int, int, Block]]:
+    def entries(self) -> list[tuple[float, int, int, int]]:
         """Live heap entries (for subclasses that re-key in bulk)."""
         live = self._live
-        return [e for e in self._heap + self._old if live.get(e[3].id) == e[2]]
+        return [e for e in self._heap + self._old if live.get(e[3]) == e[2]]
 
-    def access(self, block: Block) -> None:
-        if block.id in self._live:      # re-key a candidate that was hit
-            self.insert(block)
+    def access(self, b: int) -> None:
+        if b in self._live:             # re-key a candidate that was hit
+            self.insert(b)
 
-    def victims(self, n: int) -> list[Block]:
-        out: list[Block] = []
+    def victims(self, n: int) -> list[int]:
+        out: list[int] = []
         heap, old, live = self._heap, self._old, self._live
         while (heap or old) and len(out) < n:
             src = old if not heap or (old and old[0] < heap[0]) else heap
-            prio, _, seq, block = heapq.heappop(src)
-            if live.get(block.id) == seq:
-                del live[block.id]
-                self.on_evict(prio, block)
-                out.append(block)
+            prio, _, seq, b = heapq.heappop(src)
+            if live.get(b) == seq:
+                del live[b]
+                self.on_evict(prio, b)
+                out.append(b)
         if old:
             self._drain()
         return out
 
-    def on_evict(self, priority: float, block: Block) -> None:  # noqa: B027 - optional hook
+    def victim(self) -> int:
+        heap, old, live = self._heap, self._old, self._live
+        while heap or old:
+            src = old if not heap or (old and old[0] < heap[0]) else heap
+            prio, _, seq, b = heapq.heappop(src)
+            if live.get(b) == seq:
+                del live[b]
+                self.on_evict(prio, b)
+                if old:
+                    self._drain()
+                return b
+        return -1
+
+    def on_evict(self, priority: float, b: int) -> None:  # noqa: B027 - optional hook
         """Called for each victim (aging policies raise their clock here)."""
 
     def __len__(self) -> int:

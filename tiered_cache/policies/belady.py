@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-from tiered_cache.block import Block
+from tiered_cache.core.blocks import BlockTable
 from tiered_cache.policies.base import PriorityPolicy
 
 NEVER = math.inf
@@ -24,12 +24,16 @@ _UNKNOWN = float(2**52)
 after the never-used-again ones and before every block with a known next use."""
 
 
-def block_key(block: Block) -> int | None:
+def block_key(blocks: BlockTable, b: int) -> int | None:
     """The trace id of a replayed block: replay fills every token of block j with hash_ids[j], so
-    the first int32 of the block's token bytes is its id. None for an unpublished block."""
-    if len(block.tokens) < 4:
+    the block's first token is its id. None for an unpublished block.
+
+    NOTE: the key, not the token row, says whether b is published: a row's tokens are only
+    meaningful once it is published (a private or recycled row holds zeros or stale ids).
+    """
+    if blocks.key[b] is None:
         return None
-    return int.from_bytes(block.tokens[:4], "little", signed=True)
+    return int(blocks.tokens[b, 0])
 
 
 class NextUseOracle:
@@ -108,7 +112,8 @@ class BeladyPolicy(PriorityPolicy):
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
         self.oracle: NextUseOracle | None = None
-        self._by_key: dict[int, dict[int, Block]] = {}   # trace id -> candidates with that id
+        self._by_key: dict[int, dict[int, None]] = {}   # trace id -> ids of candidates with it
+        self._key_of: dict[int, int] = {}                # candidate id -> its trace id
 
     def set_oracle(self, oracle: NextUseOracle) -> None:
         self.oracle = oracle
@@ -116,28 +121,31 @@ class BeladyPolicy(PriorityPolicy):
         for e in self.entries():                # re-key what was inserted before
             PriorityPolicy.insert(self, e[3])
 
-    def priority(self, block: Block) -> float:
-        key = block_key(block) if self.oracle is not None else None
+    def priority(self, b: int) -> float:
+        key = block_key(self.blocks, b) if self.oracle is not None else None
         if key is None:
-            return float(block.last_access) - _UNKNOWN   # unknown future: LRU order
+            return float(self.blocks.last_access[b]) - _UNKNOWN   # unknown future: LRU order
         return -self.oracle.next_use(key)
 
-    def insert(self, block: Block) -> None:
-        super().insert(block)
-        key = block_key(block)
+    def insert(self, b: int) -> None:
+        super().insert(b)
+        key = block_key(self.blocks, b)
         if key is not None:
-            self._by_key.setdefault(key, {})[block.id] = block
+            self._by_key.setdefault(key, {})[b] = None
+            self._key_of[b] = key
 
-    def remove(self, block: Block) -> None:
-        super().remove(block)
-        self._forget(block)
+    def remove(self, b: int) -> None:
+        super().remove(b)
+        self._forget(b)
 
-    def _forget(self, block: Block) -> None:
-        key = block_key(block)
+    def _forget(self, b: int) -> None:
+        # NOTE: by the trace id recorded at insert, not read again from the table: by the time
+        # a block stops being a candidate its row may already be unpublished.
+        key = self._key_of.pop(b, None)
         if key is not None:
             same = self._by_key.get(key)
             if same is not None:
-                same.pop(block.id, None)
+                same.pop(b, None)
                 if not same:
                     del self._by_key[key]
 
@@ -147,8 +155,8 @@ class BeladyPolicy(PriorityPolicy):
         for key in keys:
             same = by_key.get(key)
             if same:
-                for block in list(same.values()):
-                    PriorityPolicy.insert(self, block)
+                for b in list(same):
+                    PriorityPolicy.insert(self, b)
 
-    def on_evict(self, priority: float, block: Block) -> None:
-        self._forget(block)
+    def on_evict(self, priority: float, b: int) -> None:
+        self._forget(b)

@@ -52,7 +52,9 @@ O(log n) (a binary heap with lazy deletion, from PriorityPolicy) plus O(1) dict 
 NOTE: per-block state (class, "had a child") is keyed by block id and dropped when the
 block is evicted here; a block that leaves the tier otherwise (dropped, invalidated) is not
 announced, so the tables are pruned to their newest entries when they outgrow 4x the capacity
-(amortised O(1); it never happens in a single-tier replay).
+(amortised O(1); it never happens in a single-tier replay). Ids are recycled, so every entry
+carries the row's generation (`blocks.gen[b]`) and one of another generation reads as absent:
+a block never inherits the class or the child of the block that had its id before.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import heapq
 import itertools
 import math
 
-from tiered_cache.block import NO_SLOT, Block
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.policies.base import PriorityPolicy
 from tiered_cache.policies.reuse_credit import (
     GHOST_PER_SLOT,
@@ -87,8 +89,8 @@ class ClassCreditPolicy(ReuseCreditPolicy):
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
         # The ghost maps a content hash to (uses, first use, class at eviction).
-        self._cls: dict[int, int] = {}      # block id -> class of its current trial
-        self._kids: dict[int, None] = {}    # ids of blocks that have had a candidate child
+        self._cls: dict[int, tuple[int, int]] = {}  # block id -> (class of its trial, gen)
+        self._kids: dict[int, int] = {}     # id -> gen, of blocks that have had a candidate child
         self._trials = [0.0] * _NCLASS
         self._succ = [0.0] * _NCLASS
         self._all_trials = 0.0
@@ -119,9 +121,15 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         return ((self._succ[t] + 0.5) / (self._trials[t] + 1.0)
                 < (self._succ[o] + 0.5) / (self._trials[o] + 1.0))
 
-    def _trial(self, block: Block, uses: int) -> None:
+    def class_of(self, b: int) -> int | None:
+        """Class of block b's current trial, None if it has none (never seen, or the entry is
+        an earlier block's with the same id)."""
+        e = self._cls.get(b)
+        return e[0] if e is not None and e[1] == self.blocks.gen[b] else None
+
+    def _trial(self, b: int, uses: int) -> None:
         c = 2 * uses.bit_length()           # a hit block is never a tail
-        self._cls[block.id] = c
+        self._cls[b] = (c, self.blocks.gen[b])
         self._trials[c] += 1.0
         self._all_trials += 1.0
         if self._all_trials > self._window:
@@ -138,59 +146,71 @@ class ClassCreditPolicy(ReuseCreditPolicy):
         self._all_succ += 1.0
 
     # -- the priority -----------------------------------------------------------------------
-    def scale(self, block: Block) -> float:
+    def scale(self, b: int) -> float:
         """The measured odds of the block's class, never below 1 (see the module docstring)."""
-        cls = self._cls.get(block.id)
-        if cls is None:
+        e = self._cls.get(b)            # self.class_of(b), inlined
+        if e is None or e[1] != self.blocks.gen[b]:
             return 1.0
-        k = self.odds(cls)
+        k = self.odds(e[0])
         return k if k > 1.0 else 1.0
 
-    def priority(self, block: Block) -> float:
-        if block.hits == 0 and block.id not in self._resumed:
-            p = float(block.last_access)        # used once: no credit (fast path)
+    def priority(self, b: int) -> float:
+        t = self.blocks
+        if t.hits[b] == 0 and ((prev := self._resumed.get(b)) is None or prev[-1] != t.gen[b]):
+            p = float(t.last_access[b])         # used once: no credit (fast path)
         else:
-            p = block.last_access + self.credit(block)
-        if _redundant(block):
+            p = t.last_access[b] + self.credit(b)
+        if _redundant(t, b):
             return p - REDUNDANT
-        if self._tails_dead and self._cls.get(block.id, 0) & 1:    # a tail used once
-            return p - TAIL
+        if self._tails_dead:
+            e = self._cls.get(b)
+            if e is not None and e[0] & 1 and e[1] == t.gen[b]:     # a tail used once
+                return p - TAIL
         return p
 
     # -- hooks ------------------------------------------------------------------------------
-    def insert(self, block: Block) -> None:
+    def insert(self, b: int) -> None:
         # NOTE: written out in one function (no helper calls on the common path): it runs once
         # per published block and per re-key, and replay speed is a target.
-        bid = block.id
-        last = block.last_access
+        t = self.blocks
+        gen = t.gen
+        g = gen[b]
+        last = t.last_access[b]
         if last > self._now:
             self._now = last
-        parent = block.parent
+        parent = t.parent[b]
         kids = self._kids
-        if parent is not None:
-            kids[parent.id] = None
+        if parent != NO_BLOCK:
+            pg = gen[parent]
+            if kids.get(parent) != pg:
+                kids.pop(parent, None)          # an earlier block's with this id: not its child
+                kids[parent] = pg
         classes = self._cls
-        if bid not in classes:                  # first sight of this block: a new trial
-            hits = block.hits
+        e = classes.get(b)
+        if e is None or e[1] != g:              # first sight of this block: a new trial
+            if e is not None:
+                del classes[b]                  # an earlier block's with this id
+            hits = t.hits[b]
             resumed = self._resumed
-            prev = resumed.get(bid)
-            if prev is None and hits == 0 and block.key is not None:
-                prev = self._ghost.pop(hash(block.key), None)
+            prev = resumed.get(b)
+            if prev is not None and prev[-1] != g:
+                prev = None
+            key = t.key[b]
+            if prev is None and hits == 0 and key is not None:
+                prev = self._ghost.pop(hash(key), None)
                 if prev is not None:            # its content is back: a success of that class
                     self._succ[prev[2]] += 1.0
                     self._all_succ += 1.0
-                    resumed[bid] = prev
-                    if len(resumed) > 2 * self._cap:
-                        resumed.popitem(last=False)
+                    self._resume(b, prev)
             uses = hits + 1 + (prev[0] if prev is not None else 0)
-            if uses == 1 and not block.children and bid not in kids:
+            if uses == 1 and t.first_child[b] == NO_BLOCK and kids.get(b) != g:
                 # NOTE: a leaf used once and never seen with a child: the request that
                 # published it ended here (its tail). A body block becomes a candidate only
                 # after its child left, and that child's insert put it in _kids.
                 c = 3                           # 2 * (1).bit_length() + tail
             else:
                 c = 2 * uses.bit_length()
-            classes[bid] = c
+            classes[b] = (c, g)
             self._trials[c] += 1.0
             self._all_trials += 1.0
             if self._all_trials > self._window:
@@ -199,60 +219,78 @@ class ClassCreditPolicy(ReuseCreditPolicy):
                 self._prune()
             if prev is None and hits == 0:      # used once: no credit
                 p = float(last)
-                slots = block.slots
-                if len(slots) > 1 and NO_SLOT not in slots:     # a spare copy (_redundant)
+                slots = t.slots                 # a spare copy (_redundant, inlined)?
+                spare = len(slots) > 1
+                for tier in slots:
+                    if tier[b] == NO_SLOT:
+                        spare = False
+                        break
+                if spare:
                     p -= REDUNDANT
                 elif c == 3 and self._tails_dead:
                     p -= TAIL
                 n = next(self._seq)
-                self._live[bid] = n
-                heapq.heappush(self._heap, (p, -block.depth, n, block))
-                self._maybe_compact()
+                self._live[b] = n
+                heapq.heappush(self._heap, (p, -t.depth[b], n, b))
+                if self._old or len(self._heap) > 1024:
+                    self._maybe_compact()
                 return
-        PriorityPolicy.insert(self, block)
+        PriorityPolicy.insert(self, b)
 
-    def access(self, block: Block) -> None:
-        if block.last_access > self._now:
-            self._now = block.last_access
-        bid = block.id
-        c = self._cls.get(bid)
-        if c is not None:
-            self._success(c)
-        prev = self._resumed.get(bid)
-        self._trial(block, block.hits + 1 + (prev[0] if prev else 0))
-        if bid in self._live:           # re-key a candidate that was hit
-            PriorityPolicy.insert(self, block)
+    def access(self, b: int) -> None:
+        t = self.blocks
+        last = t.last_access[b]
+        if last > self._now:
+            self._now = last
+        g = t.gen[b]
+        e = self._cls.get(b)
+        if e is not None:
+            if e[1] == g:
+                self._success(e[0])
+            else:
+                del self._cls[b]                # an earlier block's with this id
+        prev = self._resumed.get(b)
+        uses = t.hits[b] + 1 + (prev[0] if prev is not None and prev[-1] == g else 0)
+        self._trial(b, uses)
+        if b in self._live:             # re-key a candidate that was hit
+            PriorityPolicy.insert(self, b)
 
-    def victims(self, n: int) -> list[Block]:
+    def victims(self, n: int) -> list[int]:
         # PriorityPolicy.victims and reuse_credit's re-keying of stale spare copies, in one loop
-        out: list[Block] = []
+        out: list[int] = []
+        t = self.blocks
         heap, live, pop = self._heap, self._live, heapq.heappop
         while len(out) < n:
             old = self._old
             if not heap and not old:
                 break
             src = old if not heap or (old and old[0] < heap[0]) else heap
-            prio, _, seq, block = pop(src)
-            if live.get(block.id) != seq:
+            prio, _, seq, b = pop(src)
+            if live.get(b) != seq:
                 continue
-            del live[block.id]
-            if prio < -REDUNDANT / 2 and not _redundant(block):
+            del live[b]
+            if prio < -REDUNDANT / 2 and not _redundant(t, b):
                 # keyed as a spare copy, now the only one (its other copy left since)
-                PriorityPolicy.insert(self, block)
+                PriorityPolicy.insert(self, b)
                 continue
-            self.on_evict(prio, block)
-            out.append(block)
+            self.on_evict(prio, b)
+            out.append(b)
         if self._old:
             self._drain()
         return out
 
-    def on_evict(self, priority: float, block: Block) -> None:
-        bid = block.id
-        prev = self._resumed.pop(bid, None)
-        cls = self._cls.pop(bid, 2)
-        self._kids.pop(bid, None)
-        if block.key is not None:
-            self._file_ghost(block.key, (*uses_and_first(block, prev), cls))
+    def on_evict(self, priority: float, b: int) -> None:
+        t = self.blocks
+        g = t.gen[b]
+        prev = self._resumed.pop(b, None)
+        if prev is not None and prev[-1] != g:
+            prev = None
+        e = self._cls.pop(b, None)
+        cls = e[0] if e is not None and e[1] == g else 2
+        self._kids.pop(b, None)
+        key = t.key[b]
+        if key is not None:
+            self._file_ghost(key, (*uses_and_first(t, b, prev), cls))
         self._count_eviction()
 
     def _update_lifetime(self) -> None:

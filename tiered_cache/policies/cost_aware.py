@@ -7,7 +7,6 @@ proxy caching algorithms", USITS 1997.
 
 from __future__ import annotations
 
-from tiered_cache.block import Block
 from tiered_cache.policies.base import PriorityPolicy
 
 
@@ -43,12 +42,12 @@ class CostAwarePolicy(PriorityPolicy):
         super().__init__(capacity_blocks, **kw)
         self.clock = 0.0
 
-    def cost(self, block: Block) -> float:
-        return 1.0 + (block.depth + 0.5) * self.block_size / self.cost_context_tokens
+    def cost(self, b: int) -> float:
+        return 1.0 + (self.blocks.depth[b] + 0.5) * self.block_size / self.cost_context_tokens
 
-    def priority(self, block: Block) -> float:
-        return self.clock + (block.hits + 1) * self.cost(block)   # / size, size = 1 block
+    def priority(self, b: int) -> float:
+        return self.clock + (self.blocks.hits[b] + 1) * self.cost(b)   # / size, size = 1 block
 
-    def on_evict(self, priority: float, block: Block) -> None:
+    def on_evict(self, priority: float, b: int) -> None:
         # GreedyDual: L = H(victim). max() only guards against the clock ever falling.
         self.clock = max(self.clock, priority)

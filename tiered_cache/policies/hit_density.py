@@ -44,6 +44,11 @@ moves (its ages are stale); a candidate that appears while it is pending (the pa
 exposed) is ranked on insert and joins it if it beats its worst entry; an entry that has left
 the candidates is skipped. The table is rebuilt in one vectorised pass every half capacity of
 evictions. insert/remove/access are O(1).
+
+NOTE: per-block state kept past `remove` (the trial, the uses resumed from the ghost) is keyed by
+block id and carries the row's generation (`blocks.gen[b]`); ids are recycled, and an entry of
+another generation reads as absent, so a block never continues the trial of the block that had
+its id before.
 """
 
 from __future__ import annotations
@@ -54,7 +59,6 @@ from collections import OrderedDict
 
 import numpy as np
 
-from tiered_cache.block import Block
 from tiered_cache.policies.base import CachePolicy
 from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT, _redundant
 
@@ -135,17 +139,17 @@ class HitDensityPolicy(CachePolicy):
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
         self._cap = max(1, capacity_blocks)
-        # candidates: a list with swap-remove, and per position the class and last use in numpy
-        # (sampled in bulk) and the serial of its insert (a batched victim must still match)
-        self._blocks: list[Block] = []
+        # candidates: a list of ids with swap-remove, and per position the class and last use in
+        # numpy (sampled in bulk) and the serial of its insert (a batched victim must still match)
+        self._cands: list[int] = []
         self._serial: list[int] = []
         self._pos: dict[int, int] = {}
         self._cls_col = np.zeros(self._cap + 16, dtype=np.int64)
         self._last_col = np.zeros(self._cap + 16, dtype=np.int64)
         self._next_serial = 0
-        # block id -> (class, last use, hits, halvings) when its current trial began
-        self._state: dict[int, tuple[int, int, int, int]] = {}
-        self._resumed: OrderedDict[int, int] = OrderedDict()    # block id -> uses from ghost
+        # block id -> (class, last use, hits, halvings, gen) when its current trial began
+        self._state: dict[int, tuple[int, int, int, int, int]] = {}
+        self._resumed: OrderedDict[int, tuple[int, int]] = OrderedDict()   # id -> (uses, gen)
         # hash of the content key -> (uses, last use, class, halvings) of an evicted block
         self._ghost: OrderedDict[int, tuple[int, int, int, int]] = OrderedDict()
         self._trials = [0.0] * NCLASS
@@ -158,8 +162,8 @@ class HitDensityPolicy(CachePolicy):
         self._table[SPARE] = -1.0
         self._low = self._table.copy()             # lower bounds
         self._theta = 0.0                          # lower bound of the pending batch's LRU victim
-        # chosen victims (density, -age, serial, block), worst first
-        self._batch: list[tuple[float, int, int, Block]] = []
+        # chosen victims (density, -age, serial, block id), worst first
+        self._batch: list[tuple[float, int, int, int]] = []
         self._rng = np.random.default_rng(0)
 
     def resize(self, capacity_blocks: int) -> None:
@@ -167,9 +171,10 @@ class HitDensityPolicy(CachePolicy):
         self._cap = max(1, capacity_blocks)
 
     # -- measurement -------------------------------------------------------------------------
-    def _trial(self, block: Block, uses: int) -> int:
+    def _trial(self, b: int, uses: int) -> int:
+        t = self.blocks
         c = min(uses.bit_length(), NCLASS - 1)
-        self._state[block.id] = (c, block.last_access, block.hits, self._halvings)
+        self._state[b] = (c, t.last_access[b], t.hits[b], self._halvings, t.gen[b])
         self._trials[c] += 1.0
         self._total += 1.0
         if self._total > GHOST_PER_SLOT * self._cap:
@@ -191,114 +196,135 @@ class HitDensityPolicy(CachePolicy):
         w = 0.5 ** (self._halvings - halvings_then)
         self._reuse[cls][age_bucket(distance)] += w
 
-    def _observe(self, block: Block) -> int:
-        """Start or continue the block's trial; return its class."""
-        bid = block.id
-        st = self._state.get(bid)
+    def _resumed_uses(self, b: int, g: int) -> int:
+        """Uses of b's content before its last eviction (0 if none, or the entry is an earlier
+        block's with the same id)."""
+        r = self._resumed.get(b)
+        return r[0] if r is not None and r[1] == g else 0
+
+    def _observe(self, b: int) -> int:
+        """Start or continue block b's trial; return its class."""
+        t = self.blocks
+        g = t.gen[b]
+        hits = t.hits[b]
+        st = self._state.get(b)
+        if st is not None and st[4] != g:       # an earlier block's with this id
+            del self._state[b]
+            st = None
         if st is None:                          # first sight here
             prev = 0
-            if block.hits == 0 and block.key is not None:
-                g = self._ghost.pop(hash(block.key), None)
-                if g is not None:               # its content is back after an eviction
-                    self._reused(g[2], block.last_access - g[1], g[3])
-                    prev = g[0]
-                    self._resumed[bid] = prev
-                    if len(self._resumed) > 2 * self._cap:
-                        self._resumed.popitem(last=False)
+            key = t.key[b]
+            if hits == 0 and key is not None:
+                gh = self._ghost.pop(hash(key), None)
+                if gh is not None:              # its content is back after an eviction
+                    self._reused(gh[2], t.last_access[b] - gh[1], gh[3])
+                    prev = gh[0]
+                    resumed = self._resumed
+                    r = resumed.get(b)
+                    if r is not None and r[1] != g:
+                        del resumed[b]          # an earlier block's: it must not keep its place
+                    resumed[b] = (prev, g)
+                    if len(resumed) > 2 * self._cap:
+                        resumed.popitem(last=False)
             else:
-                prev = self._resumed.get(bid, 0)
-            return self._trial(block, block.hits + 1 + prev)
-        if block.hits != st[2]:
+                prev = self._resumed_uses(b, g)
+            return self._trial(b, hits + 1 + prev)
+        if hits != st[2]:
             # a reuse (reported by `access`, pinned or not; or seen first at a re-insert)
-            self._reused(st[0], block.last_access - st[1], st[3])
-            return self._trial(block, block.hits + 1 + self._resumed.get(bid, 0))
+            self._reused(st[0], t.last_access[b] - st[1], st[3])
+            return self._trial(b, hits + 1 + self._resumed_uses(b, g))
         return st[0]
 
     # -- hooks -------------------------------------------------------------------------------
-    def insert(self, block: Block) -> None:
-        if block.id in self._pos:
-            self.remove(block)
-        if block.last_access > self._now:
-            self._now = block.last_access
+    def insert(self, b: int) -> None:
+        if b in self._pos:
+            self.remove(b)
+        t = self.blocks
+        last = t.last_access[b]
+        if last > self._now:
+            self._now = last
             self._batch.clear()         # chosen at an earlier clock: the ages have moved
-        c = self._observe(block)
-        i = len(self._blocks)
+        c = self._observe(b)
+        i = len(self._cands)
         if i == len(self._cls_col):
             self._cls_col = np.concatenate([self._cls_col, np.zeros_like(self._cls_col)])
             self._last_col = np.concatenate([self._last_col, np.zeros_like(self._last_col)])
-        self._blocks.append(block)
+        self._cands.append(b)
         self._next_serial += 1
         self._serial.append(self._next_serial)
-        self._pos[block.id] = i
-        code = SPARE if _redundant(block) else c
+        self._pos[b] = i
+        code = SPARE if _redundant(t, b) else c
         self._cls_col[i] = code
-        self._last_col[i] = block.last_access
+        self._last_col[i] = last
         batch = self._batch
         if batch:
             # NOTE: a candidate that appears while a batch is pending (typically the parent
             # its last victim exposed) competes with the batch, so batching never hides a
             # better victim than those already chosen
-            age = self._now - block.last_access
+            age = self._now - last
             d = self._table[code, age_bucket(age)]
             e = (d if d < self._theta or code == SPARE else math.inf, -age,
-                 self._next_serial, block)
+                 self._next_serial, b)
             if e < batch[0]:
                 batch.pop(0)
                 bisect.insort(batch, e, key=_neg)
 
-    def remove(self, block: Block) -> None:
-        i = self._pos.pop(block.id, None)
+    def remove(self, b: int) -> None:
+        i = self._pos.pop(b, None)
         if i is None:
             return
-        blocks, serial = self._blocks, self._serial
-        j = len(blocks) - 1
+        cands, serial = self._cands, self._serial
+        j = len(cands) - 1
         if i != j:
-            moved = blocks[j]
-            blocks[i], serial[i] = moved, serial[j]
-            self._pos[moved.id] = i
+            moved = cands[j]
+            cands[i], serial[i] = moved, serial[j]
+            self._pos[moved] = i
             self._cls_col[i] = self._cls_col[j]
             self._last_col[i] = self._last_col[j]
-        blocks.pop()
+        cands.pop()
         serial.pop()
 
-    def access(self, block: Block) -> None:
+    def access(self, b: int) -> None:
         # a hit on a candidate (a spare lower-tier copy of a block pinned above)
-        if block.last_access > self._now:
-            self._now = block.last_access
+        t = self.blocks
+        last = t.last_access[b]
+        if last > self._now:
+            self._now = last
             self._batch.clear()
-        c = self._observe(block)
-        i = self._pos.get(block.id)
+        c = self._observe(b)
+        i = self._pos.get(b)
         if i is not None:
-            self._cls_col[i] = SPARE if _redundant(block) else c
-            self._last_col[i] = block.last_access
+            self._cls_col[i] = SPARE if _redundant(t, b) else c
+            self._last_col[i] = last
 
-    def victims(self, n: int) -> list[Block]:
-        out: list[Block] = []
+    def victims(self, n: int) -> list[int]:
+        out: list[int] = []
+        t = self.blocks
         pos, serial, batch = self._pos, self._serial, self._batch
         while len(out) < n:
             if not batch:
                 self._refill()
                 if not batch:
                     break
-            _, _, s, block = batch.pop()
-            i = pos.get(block.id)
+            _, _, s, b = batch.pop()
+            i = pos.get(b)
             if i is None or serial[i] != s:
                 continue                        # left the candidates (or re-keyed) since
-            if self._cls_col[i] == SPARE and not _redundant(block):
+            if self._cls_col[i] == SPARE and not _redundant(t, b):
                 # ranked as a spare copy, and its other copy has left since: rank it by its
                 # own class from now on
-                st = self._state.get(block.id)
-                self._cls_col[i] = st[0] if st is not None else 1
+                st = self._state.get(b)
+                self._cls_col[i] = st[0] if st is not None and st[4] == t.gen[b] else 1
                 self._next_serial += 1
                 serial[i] = self._next_serial
                 continue
-            self.remove(block)
-            self._evict(block)
-            out.append(block)
+            self.remove(b)
+            self._evict(b)
+            out.append(b)
         return out
 
     def _refill(self) -> None:
-        k = len(self._blocks)
+        k = len(self._cands)
         if k == 0:
             return
         if k <= SAMPLES * BATCH:
@@ -316,21 +342,26 @@ class HitDensityPolicy(CachePolicy):
         dens = self._table[cls, buckets]
         dens = np.where((dens < theta) | (cls == SPARE), dens, np.inf)     # spares: -1
         order = np.lexsort((-ages, dens))[:BATCH]
-        blocks, serial = self._blocks, self._serial
+        cands, serial = self._cands, self._serial
         # worst first, so that pop() hands out the best
-        self._batch[:] = [(d, -a, serial[j], blocks[j]) for j, d, a in zip(
+        self._batch[:] = [(d, -a, serial[j], cands[j]) for j, d, a in zip(
             idx[order].tolist()[::-1], dens[order].tolist()[::-1], ages[order].tolist()[::-1])]
 
-    def _evict(self, block: Block) -> None:
-        bid = block.id
-        st = self._state.pop(bid, None)
-        prev = self._resumed.pop(bid, 0)
-        if block.key is not None:
+    def _evict(self, b: int) -> None:
+        t = self.blocks
+        g = t.gen[b]
+        st = self._state.pop(b, None)
+        if st is not None and st[4] != g:
+            st = None                           # an earlier block's with this id
+        r = self._resumed.pop(b, None)
+        prev = r[0] if r is not None and r[1] == g else 0
+        key = t.key[b]
+        if key is not None:
             cls, halvings = (st[0], st[3]) if st is not None else (1, self._halvings)
-            k = hash(block.key)
+            k = hash(key)
             ghost = self._ghost
             ghost.pop(k, None)
-            ghost[k] = (block.hits + 1 + prev, block.last_access, cls, halvings)
+            ghost[k] = (t.hits[b] + 1 + prev, t.last_access[b], cls, halvings)
             if len(ghost) > GHOST_PER_SLOT * self._cap:
                 ghost.popitem(last=False)
         self._evictions += 1
@@ -344,7 +375,7 @@ class HitDensityPolicy(CachePolicy):
         self._table, self._low = high, low
 
     def __len__(self) -> int:
-        return len(self._blocks)
+        return len(self._cands)
 
 
 class UnguardedHitDensityPolicy(HitDensityPolicy):

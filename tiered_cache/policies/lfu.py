@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import heapq
 
-from tiered_cache.block import Block
 from tiered_cache.policies.base import PriorityPolicy
 
 
@@ -32,20 +31,21 @@ class LFUPolicy(PriorityPolicy):
         super().__init__(capacity_blocks, **kw)
         self.clock = 0.0
 
-    def priority(self, block: Block) -> float:
-        return self.clock + block.hits
+    def priority(self, b: int) -> float:
+        return self.clock + self.blocks.hits[b]
 
-    def insert(self, block: Block) -> None:
+    def insert(self, b: int) -> None:
         # Same as PriorityPolicy.insert, with `last_access` ahead of depth in the tie-break: among
         # equally frequent blocks the least recently used goes first. The key is a tuple here so
         # recency never has to be squeezed into the float priority (it would perturb the clock).
+        t = self.blocks
         n = next(self._seq)
-        self._live[block.id] = n
-        heapq.heappush(self._heap,
-                       (self.priority(block), (block.last_access, -block.depth), n, block))
-        self._maybe_compact()
+        self._live[b] = n
+        heapq.heappush(self._heap, (self.priority(b), (t.last_access[b], -t.depth[b]), n, b))
+        if self._old or len(self._heap) > 1024:
+            self._maybe_compact()
 
-    def on_evict(self, priority: float, block: Block) -> None:
+    def on_evict(self, priority: float, b: int) -> None:
         # max(): a victim's priority is never below the clock (every live entry was keyed at a
         # clock no higher than now and the heap pops the minimum), but never let the clock fall.
         self.clock = max(self.clock, priority)

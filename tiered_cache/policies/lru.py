@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from tiered_cache.block import Block
 from tiered_cache.policies.base import PriorityPolicy
 
 
@@ -16,5 +15,5 @@ class LRUPolicy(PriorityPolicy):
 
     name = "lru"
 
-    def priority(self, block: Block) -> float:
-        return float(block.last_access)
+    def priority(self, b: int) -> float:
+        return float(self.blocks.last_access[b])

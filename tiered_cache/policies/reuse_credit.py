@@ -8,7 +8,7 @@ adds a credit for reuse:
 
 - `uses`: times the block's content was requested, 1 for a block seen once. Remembered across
   evictions: a block's own `hits` restart at zero when its content comes back after an eviction
-  (a new Block is published), so frequency would otherwise be forgotten for exactly the blocks
+  (a new block is published), so frequency would otherwise be forgotten for exactly the blocks
   that a small cache keeps evicting. A bounded *ghost* table maps the content key of evicted
   blocks to their use count and first use; a block published again with a key in the ghost
   resumes them.
@@ -55,7 +55,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
-from tiered_cache.block import NO_SLOT, Block
+from tiered_cache.core.blocks import NO_SLOT, BlockTable
 from tiered_cache.policies.base import PriorityPolicy
 
 GHOST_PER_SLOT = 32
@@ -79,17 +79,20 @@ class ReuseCreditPolicy(PriorityPolicy):
         # hash of the content key -> (uses, first use) of an evicted block, oldest first. The
         # in-process hash of the 16-byte key: a collision only misjudges one block's frequency.
         self._ghost: OrderedDict[int, tuple[int, int]] = OrderedDict()
-        # block.id -> (uses, first use) resumed from the ghost, for blocks in the tier; bounded
-        # because a block that leaves without being evicted here (dropped, invalidated) is not
-        # announced as such
-        self._resumed: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        # block id -> (uses, first use, ..., gen) resumed from the ghost, for blocks in the tier;
+        # bounded because a block that leaves without being evicted here (dropped, invalidated)
+        # is not announced as such.
+        # NOTE: the entry ends with the row's generation (`blocks.gen[b]`) and reads as absent
+        # under another one (`_prev`): ids are recycled, and a block that gets the id of one
+        # that left unannounced must not resume that block's uses.
+        self._resumed: OrderedDict[int, tuple[int, ...]] = OrderedDict()
         self._now = 0                   # latest logical clock seen
         self._lifetime = 0.0            # tier turnover in clock ticks; 0 until evictions start
         self._evictions = 0             # evictions since the last lifetime update
         self._since = -1                # clock of the last lifetime update (-1: none yet)
         self._ghost_limit = GHOST_PER_SLOT * self._cap
         self._update_every = max(16, self._cap // 8)
-        self._stale: Block | None = None
+        self._stale: int | None = None
 
     def resize(self, capacity_blocks: int) -> None:
         # The ghost shrinks lazily (oldest keys go at the next evictions); the lifetime
@@ -99,65 +102,88 @@ class ReuseCreditPolicy(PriorityPolicy):
         self._ghost_limit = GHOST_PER_SLOT * self._cap
         self._update_every = max(16, self._cap // 8)
 
-    # -- the priority -----------------------------------------------------------------------
-    def uses(self, block: Block) -> int:
-        """Times the block's content was requested (first use, hits here, uses before an
-        eviction)."""
-        prev = self._resumed.get(block.id)
-        return block.hits + 1 + (prev[0] if prev else 0)
+    def _prev(self, b: int) -> tuple[int, ...] | None:
+        """What the ghost resumed for block b (uses, first use, ..., gen), or None; an entry
+        left by an earlier block with the same id is None."""
+        prev = self._resumed.get(b)
+        if prev is not None and prev[-1] != self.blocks.gen[b]:
+            return None
+        return prev
 
-    def first_use(self, block: Block) -> int:
-        prev = self._resumed.get(block.id)
-        return prev[1] if prev else block.inserted_at
+    def _resume(self, b: int, entry: tuple) -> None:
+        """Block b's content is back from the ghost: remember its earlier uses (newest last)."""
+        # NOTE: only called when b has no entry of its own generation, so any entry popped here
+        # is an earlier block's with this id; it must not lend the new one its (older) place.
+        resumed = self._resumed
+        resumed.pop(b, None)
+        resumed[b] = (*entry, self.blocks.gen[b])
+        if len(resumed) > 2 * self._cap:
+            resumed.popitem(last=False)
+
+    # -- the priority -----------------------------------------------------------------------
+    def uses(self, b: int) -> int:
+        """Times block b's content was requested (first use, hits here, uses before an
+        eviction)."""
+        prev = self._prev(b)
+        return self.blocks.hits[b] + 1 + (prev[0] if prev else 0)
+
+    def first_use(self, b: int) -> int:
+        prev = self._prev(b)
+        return prev[1] if prev else self.blocks.inserted_at[b]
 
     @property
     def lifetime(self) -> float:
         """Current turnover time of the tier, in clock ticks (0 before the first evictions)."""
         return self._lifetime
 
-    def credit(self, block: Block) -> float:
-        prev = self._resumed.get(block.id)
-        if prev is None:
-            if block.hits == 0:
+    def credit(self, b: int) -> float:
+        t = self.blocks
+        hits = t.hits[b]
+        prev = self._resumed.get(b)     # self._prev(b), inlined (once per insert)
+        if prev is None or prev[-1] != t.gen[b]:
+            if hits == 0:
                 return 0.0              # used once: no credit
-            uses, first = block.hits + 1, block.inserted_at
+            uses, first = hits + 1, t.inserted_at[b]
         else:
-            uses, first = block.hits + 1 + prev[0], prev[1]
-        span = block.last_access - first
+            uses, first = hits + 1 + prev[0], prev[1]
+        span = t.last_access[b] - first
         if span <= 0:
             return 0.0
-        c = self._lifetime * math.log2(uses) * self.scale(block)
+        c = self._lifetime * math.log2(uses) * self.scale(b)
         overdue = 2.0 * span / (uses - 1)      # twice the mean interval between its uses
         return c if c < overdue else overdue
 
-    def scale(self, block: Block) -> float:
+    def scale(self, b: int) -> float:
         """Multiplier of the lifetime credit: 1 here (class_credit scales it by measured
         odds)."""
         return 1.0
 
-    def priority(self, block: Block) -> float:
-        p = block.last_access + self.credit(block)
-        return p - REDUNDANT if _redundant(block) else p
+    def priority(self, b: int) -> float:
+        p = self.blocks.last_access[b] + self.credit(b)
+        return p - REDUNDANT if _redundant(self.blocks, b) else p
 
     # -- hooks ------------------------------------------------------------------------------
-    def insert(self, block: Block) -> None:
-        if block.last_access > self._now:
-            self._now = block.last_access
-        if block.hits == 0 and block.key is not None and block.id not in self._resumed:
-            prev = self._ghost.pop(hash(block.key), None)
-            if prev is not None:
-                self._resumed[block.id] = prev
-                if len(self._resumed) > 2 * self._cap:
-                    self._resumed.popitem(last=False)
-        super().insert(block)
+    def insert(self, b: int) -> None:
+        t = self.blocks
+        last = t.last_access[b]
+        if last > self._now:
+            self._now = last
+        if t.hits[b] == 0:
+            key = t.key[b]
+            if key is not None and self._prev(b) is None:
+                prev = self._ghost.pop(hash(key), None)
+                if prev is not None:
+                    self._resume(b, prev)
+        super().insert(b)
 
-    def access(self, block: Block) -> None:
-        if block.last_access > self._now:
-            self._now = block.last_access
-        super().access(block)
+    def access(self, b: int) -> None:
+        last = self.blocks.last_access[b]
+        if last > self._now:
+            self._now = last
+        super().access(b)
 
-    def victims(self, n: int) -> list[Block]:
-        out: list[Block] = []
+    def victims(self, n: int) -> list[int]:
+        out: list[int] = []
         while len(out) < n:
             got = super().victims(1)
             if not got:
@@ -169,15 +195,19 @@ class ReuseCreditPolicy(PriorityPolicy):
             out.append(got[0])
         return out
 
-    def on_evict(self, priority: float, block: Block) -> None:
-        if priority < -REDUNDANT / 2 and not _redundant(block):
+    def on_evict(self, priority: float, b: int) -> None:
+        t = self.blocks
+        if priority < -REDUNDANT / 2 and not _redundant(t, b):
             # Its other copy left after it was keyed (a slot change that does not change
             # candidacy here is not announced): re-key it instead of evicting (see victims).
-            self._stale = block
+            self._stale = b
             return
-        prev = self._resumed.pop(block.id, None)
-        if block.key is not None:
-            self._file_ghost(block.key, uses_and_first(block, prev))
+        prev = self._resumed.pop(b, None)
+        if prev is not None and prev[-1] != t.gen[b]:
+            prev = None                 # left by an earlier block with this id
+        key = t.key[b]
+        if key is not None:
+            self._file_ghost(key, uses_and_first(t, b, prev))
         self._count_eviction()
 
     def _file_ghost(self, key: bytes, entry: tuple) -> None:
@@ -209,14 +239,20 @@ class ReuseCreditPolicy(PriorityPolicy):
         self._since = self._now
 
 
-def uses_and_first(block: Block, prev: tuple | None) -> tuple[int, int]:
-    """(uses, first use) of a block's content: its own hits plus what the ghost resumed."""
+def uses_and_first(blocks: BlockTable, b: int, prev: tuple | None) -> tuple[int, int]:
+    """(uses, first use) of block b's content: its own hits plus what the ghost resumed (a
+    `_prev` entry of b's current generation, or None)."""
     if prev is None:
-        return block.hits + 1, block.inserted_at
-    return block.hits + 1 + prev[0], prev[1]
+        return blocks.hits[b] + 1, blocks.inserted_at[b]
+    return blocks.hits[b] + 1 + prev[0], prev[1]
 
 
-def _redundant(block: Block) -> bool:
-    """The block has a copy in every tier (two tiers: device and host)."""
-    slots = block.slots
-    return len(slots) > 1 and NO_SLOT not in slots
+def _redundant(blocks: BlockTable, b: int) -> bool:
+    """Block b has a copy in every tier (two tiers: device and host)."""
+    slots = blocks.slots
+    if len(slots) < 2:
+        return False
+    for tier in slots:
+        if tier[b] == NO_SLOT:
+            return False
+    return True

@@ -10,9 +10,9 @@
 
 Pools in host memory (the host tier, and the device tier without CUDA) are resizable: their
 tensors lie over address space reserved for `max_slots` and are backed segment by segment
-(`tiered_cache.segments`), so `resize` neither moves nor copies a slot. A CUDA device pool is
+(`tiered_cache.data.segments`), so `resize` neither moves nor copies a slot. A CUDA device pool is
 resizable the same way with `tiers.gpu.resizable: true` (the CUDA virtual memory API,
-`tiered_cache.cuda_vmm`), and one allocation otherwise; a `managed` host pool is fixed.
+`tiered_cache.data.cuda_vmm`), and one allocation otherwise; a `managed` host pool is fixed.
 
 The pools execute copies; they never decide what to copy (that is the control plane's job).
 """
@@ -25,13 +25,13 @@ from functools import partial
 
 import torch
 
-from tiered_cache.errors import CapacityError, TierUnavailableError
-from tiered_cache.segments import (
+from tiered_cache.data.segments import (
     PAGE,
     SegmentedTensor,
     default_max_slots,
     default_segment_slots,
 )
+from tiered_cache.errors import CapacityError, TierUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class _Pool:
         # registrations must not share a page: their ranges are whole pages.
         reserve, align = None, (PAGE if pinned else 1)
         if device is not None:
-            from tiered_cache import cuda_vmm
+            from tiered_cache.data import cuda_vmm
             reserve = partial(cuda_vmm.CudaReservation, device=device)
             align = cuda_vmm.granularity(device)
             total = torch.cuda.get_device_properties(device).total_memory

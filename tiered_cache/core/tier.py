@@ -1,31 +1,45 @@
-"""Runtime state of one tier: its slot allocator, its eviction policy, its storage, counters."""
+"""Control-plane state of one tier: its slot allocator, its eviction policy, who owns each slot,
+and its counters. No storage here: the pool that holds the tier's bytes is the data plane's.
+"""
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
-from tiered_cache.allocator import SlotAllocator
+from tiered_cache.core.allocator import SlotAllocator
+from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.policies.base import CachePolicy
 
 
-@dataclass(eq=False)
-class Tier:
+@dataclass(frozen=True)
+class TierSpec:
+    """What the control plane needs to know of a tier: its name (stats, metrics, config), its
+    kind (the pool type; copy handlers are registered per pair of kinds) and its size."""
+
     name: str
+    kind: str
+    num_slots: int
+
+
+@dataclass(eq=False)
+class TierState:
+    name: str
+    kind: str
     index: int                      # 0 is the fastest tier
     allocator: SlotAllocator
     policy: CachePolicy
-    pool: object | None             # DevicePool / HostPool, or None with `storage: none`
     pinned_blocks: int = 0          # blocks with a copy here and ref_count > 0
     evictions: int = 0              # copies that left this tier to make room
     hit_tokens: int = 0             # prompt tokens served from this tier
-    busy: int = 0                 # copies here of blocks in flight (not evictable meanwhile)
+    busy: int = 0                   # copies here of blocks in flight (not evictable meanwhile)
     reserved: int = 0               # destination slots of copies under way (not yet owned)
-    owner: list = field(default_factory=list)   # slot -> Block holding it (the compactor's map)
+    owner: array = field(default_factory=lambda: array("i"))   # slot -> block id or NO_BLOCK
 
     def __post_init__(self) -> None:
         # NOTE: sized by the allocator's slots, which exceed capacity_blocks while a shrink
         # drains the tail.
-        self.owner = [None] * self.allocator.num_slots
+        self.owner = array("i", [NO_BLOCK]) * self.allocator.num_slots
 
     @property
     def capacity_blocks(self) -> int:
@@ -35,7 +49,7 @@ class Tier:
     def used_blocks(self) -> int:
         return self.allocator.num_used
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int | float]:
         return {
             "capacity_blocks": self.capacity_blocks,
             "used_blocks": self.used_blocks,

@@ -3,9 +3,10 @@
 A promotion copies its blocks layer by layer. Readers wait for the one layer they are about to
 use, so attention on layer l runs while layers after it are still copying.
 
-On a GPU each layer's copy records a CUDA event on the copy stream and `wait` makes the
-reader's stream wait on it (no host synchronisation); on CPU a condition variable wakes the
-waiting thread as soon as its layer lands.
+On a GPU each layer's copy records a CUDA event on the copy stream; `wait` returns it and the
+data plane makes the reader's stream wait on it (no host synchronisation). On CPU a condition
+variable wakes the waiting thread as soon as its layer lands. No torch here: the event is opaque
+to the control plane.
 """
 
 from __future__ import annotations
@@ -50,11 +51,11 @@ class LayerReadiness:
             self._error = error
             self._cond.notify_all()
 
-    def wait(self, layer: int, timeout: float | None = None) -> None:
-        """Block until `layer` has landed (or the promotion failed, or `timeout` passed)."""
+    def wait(self, layer: int, timeout: float | None = None) -> object | None:
+        """Block until `layer` has landed (or the promotion failed, or `timeout` passed).
+        Returns the layer's device event (None on CPU) for the reader's stream to wait on."""
         if self._ready > layer:
-            self._stream_wait(layer)
-            return
+            return self._events[layer]
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._ready <= layer and self._error is None:
@@ -67,11 +68,4 @@ class LayerReadiness:
                 self._cond.wait(left)
         if self._ready <= layer and self._error is not None:
             raise TransferError(f"promotion failed: {self._error}") from self._error
-        self._stream_wait(layer)
-
-    def _stream_wait(self, layer: int) -> None:
-        event = self._events[layer]
-        if event is not None:
-            import torch
-
-            torch.cuda.current_stream().wait_event(event)
+        return self._events[layer]

@@ -1,4 +1,10 @@
-"""A request's view of the cache: its tokens, its block table, and how far each layer is written."""
+"""A request's view of the cache: its tokens, its block table (ids), how far each layer is written.
+
+NOTE: a handle of plain ids. `block_ids[i]` names the block covering tokens
+`[i * block_size, (i + 1) * block_size)`; what a block holds and where its copies are is the
+control plane's (`BlockIndex.info`), so nothing in a sequence keeps an object of the index alive
+or lets a caller change it.
+"""
 
 from __future__ import annotations
 
@@ -6,41 +12,48 @@ import itertools
 
 import numpy as np
 
-from tiered_cache.block import Block
+from tiered_cache.core.blocks import NO_BLOCK
 
 _ids = itertools.count()
+
+BROKEN = -2
+"""`Sequence.chain` once a block could not be published: the rest of the sequence stays private."""
 
 
 class Sequence:
     """Handle returned by `TieredKVCache.open`. Read-only for callers.
 
-    `blocks[i]` covers tokens `[i * block_size, (i + 1) * block_size)`; the last block may be
-    partial. Blocks `[0, num_cached_tokens // block_size)` came from the cache; the rest are the
+    Blocks `[0, num_cached_tokens // block_size)` came from the cache; the rest are the
     sequence's own (private until full and written in every layer, then published).
     """
 
-    def __init__(self, owner: int, root: bytes, tokens: np.ndarray, num_layers: int,
-                 salt: str | bytes | None, adapter_id: str | None) -> None:
+    def __init__(self, owner: int, root: bytes, root_id: int, tokens: np.ndarray,
+                 num_layers: int, salt: str | bytes | None, adapter_id: str | None) -> None:
         self.id = next(_ids)
-        self.owner = owner                      # id() of the cache that opened it
+        self.owner = owner                      # id() of the index that opened it
         self.root = root                        # key of the empty prefix (namespace + salt)
-        self.root_id = -1                       # id of that namespace + salt (see hashing.root)
+        self.root_id = root_id                  # id of that namespace + salt (see hashing.root)
         self.salt = salt
         self.adapter_id = adapter_id
         self._tokens = np.empty(max(len(tokens), 16), dtype=np.int32)
         self._tokens[:len(tokens)] = tokens
         self.num_tokens = len(tokens)
-        self.blocks: list[Block] = []
+        self.blocks: list[int] = []             # block ids; written only by the BlockIndex
         self.keys: list[bytes] = []             # chained keys of the leading full blocks
         self.num_cached_tokens = 0
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.written = [0] * num_layers         # tokens written so far, per layer
         self.num_published = 0                  # leading blocks that are published (or tried)
-        self.chain: Block | None | bool = None  # published block standing for the last one
+        self.chain = NO_BLOCK                   # published block standing for the last one
         self.pending: list = []                 # LayerReadiness of promotions it waits on
         self.writing: set[int] = set()          # layers with a write() copying right now
+        self.readers = 0                        # attention calls reading its blocks right now
         self.closed = False
         self.collided = False                   # open() met a key whose block differed
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(self.blocks)
 
     @property
     def token_ids(self) -> np.ndarray:

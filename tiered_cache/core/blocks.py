@@ -1,0 +1,179 @@
+"""`BlockTable`: the metadata of every live block, as parallel arrays indexed by block id.
+
+A block is `block_size` tokens of one sequence, in every layer. It is *private* while a sequence
+is still writing it and *published* (it has a `key` and sits in the prefix index) once it is full
+and every layer has been written. A block id is a row of this table: a plain int that can cross
+a process boundary (a transfer plan, a daemon message) and means nothing without the table.
+
+NOTE: struct of arrays, not an object per block. A `__slots__` object with per-tier lists and a
+children dict cost ~850 bytes of Python objects per cached block; here a block costs its array
+cells (~80 bytes with two tiers), its token ids (4 bytes per token, for verification) and its
+key in the prefix dict. `array.array` rather than numpy for the cells: the control plane reads
+and writes single cells, where `array` is 2-8x faster than numpy scalar indexing; `view()` gives
+zero-copy numpy views for the rare vectorised pass.
+
+NOTE: rows are recycled (`free` puts a row back on a free list), so an id alone does not name a
+block forever. `gen[b]` changes every time row b is freed: state kept about a block beyond its
+candidacy (policies' parked tables) stores the generation with it and ignores a mismatch.
+
+Only `BlockIndex` (core/index.py) writes these arrays; everything else reads them.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator
+
+import numpy as np
+
+NO_SLOT = -1
+NO_BLOCK = -1
+_DTYPES = {code: np.dtype(code) for code in "bBhHiIlLqQ"}
+
+
+def _cells(typecode: str, n: int, fill: int = 0) -> array:
+    return array(typecode, [fill]) * n
+
+
+class BlockTable:
+    """Per-block metadata. Read-only outside core/index.py."""
+
+    # per block: (attribute, array typecode, initial value)
+    _FIELDS: tuple[tuple[str, str, int], ...] = (
+        ("parent", "i", NO_BLOCK),      # published parent's id; NO_BLOCK at depth 0 or private
+        ("depth", "i", 0),              # block `depth` covers tokens [depth*bs, (depth+1)*bs)
+        ("ref_count", "i", 0),          # open sequences whose block table holds it (pinned > 0)
+        ("in_flight", "i", 0),          # copies under way (or zero-copy reads) that use it
+        ("hits", "q", 0),               # times a request reused it
+        ("last_access", "q", 0),        # logical clock of the last use
+        ("inserted_at", "q", 0),        # logical clock of publication
+        ("root_id", "i", -1),           # depth-0 blocks: namespace + salt they were made under
+        ("published", "B", 0),          # 1 while in the prefix index (key is not None)
+        ("candidate", "B", 0),          # bit t: a candidate of tier t's policy (invariant 4)
+        ("busy_tiers", "B", 0),         # bit t: a move in flight reads the copy in tier t
+        ("first_child", "i", NO_BLOCK),     # published children, as a doubly linked list
+        ("next_sibling", "i", NO_BLOCK),
+        ("prev_sibling", "i", NO_BLOCK),
+        ("gen", "I", 0),                # bumped when the row is freed (see the module NOTE)
+    )
+    _PER_TIER: tuple[tuple[str, str, int], ...] = (
+        ("slots", "i", NO_SLOT),                # slots[t][b]: b's slot in tier t, or NO_SLOT
+        ("resident_children", "i", 0),          # children of b with a copy in tier t
+    )
+
+    def __init__(self, num_tiers: int, block_size: int, capacity: int = 1024) -> None:
+        self.num_tiers = num_tiers
+        self.block_size = block_size
+        self.capacity = 0
+        self.num_live = 0
+        self._free: list[int] = []
+        self._views: dict[tuple[str, int | None], np.ndarray] = {}
+        for name, code, fill in self._FIELDS:
+            setattr(self, name, _cells(code, 0, fill))
+        for name, code, fill in self._PER_TIER:
+            setattr(self, name, [_cells(code, 0, fill) for _ in range(num_tiers)])
+        self.key: list[bytes | None] = []           # 128-bit chained key; None while private
+        self.tokens = np.zeros((0, block_size), dtype=np.int32)     # token ids, when published
+        self.grow(max(1, capacity))
+
+    # ------------------------------------------------------------------ rows
+    def new(self, depth: int, ref_count: int = 0) -> int:
+        """A fresh private block: no copy, no parent, no key, no history."""
+        if not self._free:
+            self.grow(2 * self.capacity)
+        b = self._free.pop()
+        self.depth[b] = depth
+        self.ref_count[b] = ref_count
+        self.parent[b] = NO_BLOCK
+        self.hits[b] = 0
+        self.key[b] = None
+        self.published[b] = 0
+        self.num_live += 1
+        return b
+
+    def free(self, b: int) -> None:
+        """Return row b for reuse. The caller has cleared it: no copy, unpublished, unpinned,
+        not in flight, no children, not a candidate (check_invariants verifies free rows).
+
+        NOTE: only what `new` does not set is reset here, and the copies once more: a row
+        that kept a slot would hand the next block that slot's KV."""
+        for slots in self.slots:
+            slots[b] = NO_SLOT
+        self.gen[b] = (self.gen[b] + 1) & 0xFFFFFFFF
+        self._free.append(b)
+        self.num_live -= 1
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` rows (never shrinks; the control plane sizes it up front)."""
+        extra = capacity - self.capacity
+        if extra <= 0:
+            return
+        # NOTE: an array cannot be resized while a numpy view exports its buffer.
+        self._views.clear()
+        for name, code, fill in self._FIELDS:
+            getattr(self, name).extend(_cells(code, extra, fill))
+        for name, code, fill in self._PER_TIER:
+            for cells in getattr(self, name):
+                cells.extend(_cells(code, extra, fill))
+        self.key.extend([None] * extra)
+        self.tokens = np.concatenate(
+            [self.tokens, np.zeros((extra, self.block_size), dtype=np.int32)])
+        # Lowest ids are handed out first (pop from the end).
+        self._free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+
+    # ------------------------------------------------------------------ reads
+    def is_live(self, b: int) -> bool:
+        """Row b holds a block (not on the free list). O(capacity): tests and checks only."""
+        return 0 <= b < self.capacity and b not in set(self._free)
+
+    def free_ids(self) -> list[int]:
+        return list(self._free)
+
+    def live_ids(self) -> list[int]:
+        """Every live block id (O(capacity); tests and invariant checks)."""
+        free = set(self._free)
+        return [b for b in range(self.capacity) if b not in free]
+
+    def token_bytes(self, b: int) -> bytes:
+        return self.tokens[b].tobytes()
+
+    def children(self, b: int) -> Iterator[int]:
+        """Published children of b (a snapshot is safe to mutate under)."""
+        c = self.first_child[b]
+        nxt = self.next_sibling
+        while c != NO_BLOCK:
+            yield c
+            c = nxt[c]
+
+    def has_children(self, b: int) -> bool:
+        return self.first_child[b] != NO_BLOCK
+
+    def fastest_tier(self, b: int) -> int:
+        """Index of the fastest tier holding a copy of b, or -1."""
+        for t, slots in enumerate(self.slots):
+            if slots[b] != NO_SLOT:
+                return t
+        return -1
+
+    def copies(self, b: int) -> list[int]:
+        """Slot of b in every tier (NO_SLOT where it has no copy)."""
+        return [slots[b] for slots in self.slots]
+
+    def is_cached(self, b: int) -> bool:
+        return any(slots[b] != NO_SLOT for slots in self.slots)
+
+    def view(self, name: str, tier: int | None = None) -> np.ndarray:
+        """Zero-copy numpy view of a field (cached; `grow` drops the cache, so never keep one
+        across a call that can allocate a block)."""
+        v = self._views.get((name, tier))
+        if v is None:
+            cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
+            v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
+            self._views[(name, tier)] = v
+        return v
+
+    def describe(self, b: int) -> str:
+        state = "published" if self.key[b] is not None else "private"
+        return (f"block {b} ({state}, depth {self.depth[b]}, slots {self.copies(b)}, "
+                f"ref {self.ref_count[b]}, in flight {self.in_flight[b]})")

@@ -1,0 +1,239 @@
+"""Room, allocation and eviction: how a tier makes space (part of `BlockIndex`).
+
+A mixin of `BlockIndex` (core/index.py): it reads and changes the index's state and calls its
+slot primitives (core/slots.py); nothing outside the index calls the private methods here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.core.transfer import Transfer
+from tiered_cache.errors import CapacityError, TransferError
+
+DEVICE = 0
+
+
+class Eviction:
+    def room(self, t: int) -> int:
+        """Slots tier t can provide: free ones plus those eviction can free.
+
+        NOTE: not just the current candidates: evicting a leaf makes its parent a candidate,
+        and an open sequence pins whole chains, so every unpinned block can be reached by
+        evicting leaves first. Pinned copies and the destinations of copies under way cannot.
+        (In slower tiers this is conservative: a copy of a pinned block that also has a device
+        copy is evictable but not counted.)
+        """
+        tier = self.tiers[t]
+        a = tier.allocator
+        return a.num_free + a.num_used - tier.pinned_blocks - tier.reserved - tier.busy
+
+    def check_room(self, t: int, n: int, extra_pinned: int = 0) -> None:
+        tier = self.tiers[t]
+        room = self.room(t) - extra_pinned
+        if room < n:
+            exc = CapacityError(
+                f"tier {tier.name!r} cannot provide {n} blocks: {tier.allocator.num_free} "
+                f"free, {tier.pinned_blocks + extra_pinned} pinned, "
+                f"{tier.reserved + tier.busy} held by copies under way, of "
+                f"{tier.capacity_blocks}")
+            exc.transient = room + tier.busy + tier.reserved >= n
+            raise exc
+
+    def allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
+        """n free slots of tier t, evicting by policy when needed (lock held by the caller).
+        Raises CapacityError, changing nothing, when the tier cannot provide them."""
+        tier = self.tiers[t]
+        if n <= 0:
+            return []
+        if tier.allocator.num_free < n:
+            self.check_room(t, n)
+            if t == DEVICE:
+                # The migrator's watermark keeps free slots; reaching here means it fell behind.
+                self.counters.sync_evictions += 1
+            self.evict(t, n - tier.allocator.num_free)
+        slots = tier.allocator.allocate(n, hint)
+        if t == DEVICE and self.on_pressure is not None and (
+                tier.allocator.num_used > self.high_watermark * tier.capacity_blocks):
+            self.on_pressure()
+        return slots
+
+    def reserve(self, t: int, n: int) -> list[int]:
+        """Allocate n slots of tier t as destinations of copies under way (not yet owned);
+        each is later given to a block (`set_slot`/`move_copy`) or freed (`free_slot`), and
+        `unreserve` called once per slot either way."""
+        slots = self.allocate(t, n)
+        self.tiers[t].reserved += len(slots)
+        return slots
+
+    def reserve_at(self, t: int, slot: int) -> None:
+        """`reserve` of one given free slot (the compactor picks its destinations)."""
+        self.tiers[t].allocator.allocate_at(slot)
+        self.tiers[t].reserved += 1
+
+    def unreserve(self, t: int, n: int = 1) -> None:
+        self.tiers[t].reserved -= n
+
+    def free_slot(self, t: int, slot: int) -> None:
+        """Return a slot no block owns (a reservation that was not used)."""
+        tier = self.tiers[t]
+        tier.allocator.free_one(slot)
+        tier.owner[slot] = NO_BLOCK
+
+    def evict(self, t: int, n: int, need: Callable[[], int] | None = None) -> None:
+        """Free `n` slots of tier t by the tier's policy (or, with `need`, evict until
+        `need()`, the slots still missing, drops to 0). Victims with no copy in a slower tier
+        are demoted to the next tier when it has room, and dropped otherwise.
+
+        NOTE: victims are taken one at a time, and each leaves the tier (in the metadata)
+        before the next is chosen, so a parent whose last child just left competes at once by
+        its own priority: a stale chain goes before fresher leaves of other chains. The copies
+        are batched and run before the lock is released; the source slots they read are free
+        in the allocator but nothing can take them meanwhile (only lower tiers allocate here).
+        A copy that fails is not an error for the request: the victims are dropped instead
+        (their only copy goes; a miss later, never wrong data) and counted.
+        """
+        tier = self.tiers[t]
+        below = t + 1 if t + 1 < len(self.tiers) else None
+        if need is None:
+            alloc, target = tier.allocator, tier.allocator.num_free + n
+
+            def need() -> int:
+                return target - alloc.num_free
+        plan: list[Transfer] = []
+        try:
+            self._pick_victims(t, below, need, plan)
+        finally:
+            # Even if the loop stopped early, every metadata move above must get its data.
+            # A block demoted above may have been dropped again by a later eviction in this
+            # loop (and its slot reused): its copy is void.
+            slots = self._slots
+            plan = self._coalesce([p for p in plan if slots[p.dst_tier][p.block] == p.dst_slot])
+            if plan:
+                try:
+                    self.run(plan)
+                except TransferError:
+                    self.counters.transfer_failures += 1
+                    self._drop_demoted(plan)
+                else:
+                    self.counters.demotions += len(plan)
+                    self.counters.demotion_bytes += len(plan) * self.block_bytes
+
+    def _pick_victims(self, t: int, below: int | None, need: Callable[[], int],
+                      plan: list[Transfer]) -> None:
+        tier = self.tiers[t]
+        slots, victim = self._slots, tier.policy.victim
+        mine = slots[t]
+        cand, ref, flight = self._cand, self._ref, self._flight
+        first_child = self.blocks.first_child
+        others = [s for i, s in enumerate(slots) if i != t]
+        later = slots[t + 1:]
+        clear = ~(1 << t)
+        # NOTE: the slots of dropped leaves are freed in one sorted batch at the end (a chain
+        # leaves as one run: one merge in the allocator instead of one per block), so what is
+        # still missing is need() minus the slots already set aside.
+        freed: list[int] = []
+        # Lower-tier slots reserved in batches: one lower-tier eviction pass serves many
+        # demotions instead of one per victim. Unused ones are given back at the end.
+        reserve: list[int] = []
+        try:
+            while need() - len(freed) > 0:
+                v = victim()
+                if v < 0:
+                    # Room counted blocks that are not candidates yet (a parent whose child
+                    # is in flight): transient when copies under way will change that.
+                    exc = CapacityError(f"tier {tier.name!r}: no evictable block left")
+                    exc.transient = tier.busy + tier.reserved > 0
+                    raise exc
+                cand[v] &= clear
+                if below is not None and (not later[1:] or all(s[v] == NO_SLOT
+                                                               for s in later)) \
+                        and later[0][v] == NO_SLOT:
+                    if not reserve:
+                        k = min(need() - len(freed), self.room(below))
+                        reserve = self.allocate(below, k)[::-1] if k > 0 else []
+                    if reserve and mine[v] != NO_SLOT:
+                        dst = reserve.pop()
+                        plan.append(Transfer(v, t, mine[v], below, dst))
+                        tier.evictions += 1
+                        self.move_copy(v, t, below, dst)
+                        continue
+                if mine[v] == NO_SLOT:          # dropped by the lower tier's eviction
+                    continue
+                tier.evictions += 1
+                if first_child[v] == NO_BLOCK and ref[v] == 0 and flight[v] == 0 and \
+                        (not others or all(s[v] == NO_SLOT for s in others)):
+                    freed.append(self._drop_leaf(v, t))     # the common case, in one step
+                    continue
+                self.clear_slot(v, t)
+                if self.blocks.fastest_tier(v) < 0:
+                    self.counters.dropped_blocks += self.drop_subtree(v)
+        finally:
+            if freed:
+                freed.sort()
+                tier.allocator.free(freed)
+            if reserve:
+                self.tiers[below].allocator.free(reserve)
+
+    def _drop_leaf(self, v: int, t: int) -> int:
+        """Drop a published, unpinned, childless block whose only copy is in tier t: what
+        clear_slot + drop_subtree + _release do, without their general bookkeeping. Returns
+        the slot, which the caller frees (it is no longer owned)."""
+        mine = self._slots[t]
+        slot = mine[v]
+        self.tiers[t].owner[slot] = NO_BLOCK
+        mine[v] = NO_SLOT
+        del self.prefix[self._key[v]]
+        p = self._parent[v]
+        if p != NO_BLOCK:
+            self._unlink(p, v)
+            kids = self._kids[t]
+            kids[p] -= 1
+            if not kids[p]:
+                self._leaf_again(p, t)
+        self.counters.dropped_blocks += 1
+        t = self.blocks
+        t.gen[v] = (t.gen[v] + 1) & 0xFFFFFFFF     # BlockTable.free, inlined: the hot path
+        t._free.append(v)
+        t.num_live -= 1
+        return slot
+
+    def _leaf_again(self, p: int, t: int) -> None:
+        """p's last child with a copy in tier t left: p may now be a candidate of tier t
+        (only tier t's candidacy can change; `_refresh` narrowed to it)."""
+        if (self._key[p] is None or self._flight[p] or self._slots[t][p] == NO_SLOT
+                or self._cand[p] >> t & 1):
+            return
+        if self._ref[p] and not any(s[p] != NO_SLOT for s in self._slots[:t]):
+            return
+        self._cand[p] |= 1 << t
+        self.tiers[t].policy.insert(p)
+
+    def _coalesce(self, plan: list[Transfer]) -> list[Transfer]:
+        """Pair ascending source slots with ascending destination slots (a permutation of the
+        destinations among the plan's blocks, none of which anyone has read yet), so adjacent
+        slots on both sides merge into one large copy."""
+        if len(plan) < 2:
+            return plan
+        plan = sorted(plan, key=lambda p: p.src_slot)
+        out = []
+        for p, d in zip(plan, sorted(p.dst_slot for p in plan)):
+            if p.dst_slot != d:
+                self._slots[p.dst_tier][p.block] = d
+                self.tiers[p.dst_tier].owner[d] = p.block
+                p = Transfer(p.block, p.src_tier, p.src_slot, p.dst_tier, d, p.layers)
+            out.append(p)
+        return out
+
+    def _drop_demoted(self, plan: list[Transfer]) -> None:
+        """A synchronous demotion copy failed: the victims' lower copies never got their data.
+        Drop those copies (the device slots were already handed on): the blocks become misses,
+        counted as degraded evictions, rather than the request failing."""
+        for p in plan:
+            v = p.block
+            self.clear_slot(v, p.dst_tier)
+            self.counters.degraded_evictions += 1
+            if self.blocks.fastest_tier(v) < 0:
+                self.counters.dropped_blocks += self.drop_subtree(v)
+

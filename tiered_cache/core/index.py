@@ -1,0 +1,673 @@
+"""`BlockIndex`: the one owner of block state (the role of vLLM's `BlockPool`).
+
+It owns the blocks (`BlockTable`), the prefix index (key -> block id), every tier's state
+(allocator, policy, slot owners, pinned/busy/reserved counts), the open sequences, the clock,
+the counters and the lock. Every change to any of them is one of its methods; moves, resize and
+the data plane act through those methods and never write a field themselves. No torch.
+
+Invariants (`check_invariants` asserts them; the stateful property tests after every step):
+
+1. Every slot of every tier is free xor held by exactly one block, or reserved by a copy under
+   way (`TierState.reserved`).
+2. `ref_count[b]` equals the number of open sequences whose block table holds b.
+3. The index names only published blocks that hold at least one copy; a published block's
+   parent is published (or it is a root), so every published block is reachable from its root.
+4. A block is a candidate of tier t's policy iff it is published, has a copy in t, is not in
+   flight, has no child with a copy in t, and is unpinned or also held by a faster tier. So
+   victims are always leaves of their tier and never a block an open sequence reads. (Kept by
+   `_refresh`, the only place that decides candidacy.)
+5. Every block of an open sequence has a copy in the device tier (tier 0), unless its
+   promotion failed (its waiters then get TransferError).
+
+NOTE: public methods take the lock themselves (it is re-entrant) inside a commit section
+(core/atomic.py): a SIGINT cannot cut a mutation in half. Methods whose names start with `_`
+assume the lock is held. Everything that can fail (room, allocation, the promotion callback)
+runs before the first visible change, or is rolled back.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from tiered_cache.core.allocator import SlotAllocator
+from tiered_cache.core.atomic import atomic
+from tiered_cache.core.batch import BatchOps
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
+from tiered_cache.core.eviction import Eviction
+from tiered_cache.core.readiness import LayerReadiness
+from tiered_cache.core.sequence import BROKEN, Sequence
+from tiered_cache.core.slots import SlotOps
+from tiered_cache.core.tier import TierSpec, TierState
+from tiered_cache.core.transfer import Transfer
+from tiered_cache.errors import (
+    BusySequenceError,
+    SequenceClosedError,
+    ShapeError,
+    TransferError,
+)
+from tiered_cache.hashing import BlockHasher
+from tiered_cache.locking import HoldStats, TimedLock
+from tiered_cache.policies.base import CachePolicy
+
+PolicyFactory = Callable[[int, BlockTable], CachePolicy]
+Run = Callable[[list[Transfer]], None]
+Promote = Callable[[list[Transfer], LayerReadiness], None]
+
+DEVICE = 0
+"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
+GPU = DEVICE                    # the device tier's name in configs: `tiers.gpu`
+
+
+@dataclass
+class Counters:
+    """Monotonic event counts of the control plane (exported as `tiered_cache_*_total`)."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    promotions: int = 0
+    promotion_bytes: int = 0
+    demotions: int = 0
+    demotion_bytes: int = 0
+    write_through_blocks: int = 0
+    collisions: int = 0
+    duplicates: int = 0
+    invalidated_blocks: int = 0
+    dropped_blocks: int = 0
+    sync_evictions: int = 0
+    transfer_failures: int = 0
+    transfer_retries: int = 0
+    compaction_moves: int = 0
+    degraded_evictions: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+COUNTERS = tuple(f.name for f in fields(Counters))
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A snapshot of one block's metadata (tests, debugging, the daemon's replies)."""
+
+    id: int
+    key: bytes | None
+    depth: int
+    parent: int
+    slots: tuple[int, ...]
+    ref_count: int
+    in_flight: int
+    hits: int
+    last_access: int
+    candidate: tuple[bool, ...]
+    resident_children: tuple[int, ...]
+    children: tuple[int, ...]
+    pending: bool
+
+
+def _mutator(fn):
+    """Public mutator: runs inside a commit section with the lock held."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with atomic(), self.lock:
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+class BlockIndex(BatchOps, Eviction, SlotOps):
+    def __init__(self, specs: list[TierSpec], *, policy: PolicyFactory, block_size: int,
+                 num_layers: int, hasher: BlockHasher, block_bytes: int = 0,
+                 verify_tokens: bool = True, write_through: bool = False,
+                 run: Run | None = None, on_pressure: Callable[[], None] | None = None,
+                 high_watermark: float = 1.0) -> None:
+        if not specs:
+            raise ValueError("a cache needs at least a device tier")
+        self.block_size = block_size
+        self.num_layers = num_layers
+        self.block_bytes = block_bytes
+        self.hasher = hasher
+        self.verify_tokens = verify_tokens
+        self.write_through = write_through
+        # NOTE: every live block holds at least one slot (a private block its device slot, a
+        # dropped one the slots its copies still use), so the table never needs more rows
+        # than there are slots; it grows anyway if a resize adds slots.
+        self.blocks = BlockTable(len(specs), block_size, sum(s.num_slots for s in specs) + 1)
+        self.tiers: list[TierState] = []
+        for i, spec in enumerate(specs):
+            self.tiers.append(TierState(spec.name, spec.kind, i, SlotAllocator(spec.num_slots),
+                                        policy(spec.num_slots, self.blocks)))
+        self.prefix: dict[bytes, int] = {}
+        self.pending: dict[int, LayerReadiness] = {}    # block -> its promotion into tier 0
+        self.counters = Counters()
+        self.lock = TimedLock()
+        self.lookups = HoldStats()          # open(): prefix match + pin + reserve, per call
+        self.clock = 0
+        self.run: Run = run if run is not None else _no_copy
+        self.on_pressure = on_pressure
+        self.high_watermark = high_watermark
+        self._open: dict[int, Sequence] = {}
+        self._readers_done = threading.Condition()   # end_read -> close waiting for it
+        self._bind()
+
+    def _bind(self) -> None:
+        """Local aliases of the table's arrays for the hot paths (rebound when it grows)."""
+        t = self.blocks
+        self._slots, self._kids = t.slots, t.resident_children
+        self._ref, self._flight, self._cand = t.ref_count, t.in_flight, t.candidate
+        self._parent, self._key = t.parent, t.key
+
+    # ------------------------------------------------------------------ introspection
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the lock inside a commit section (moves, resize, checks)."""
+        with atomic(), self.lock:
+            yield
+
+    def tier(self, name: str) -> TierState:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def lookup(self, key: bytes) -> int | None:
+        """Id of the published block with this key, or None."""
+        return self.prefix.get(key)
+
+    def info(self, b: int) -> BlockInfo:
+        t = self.blocks
+        return BlockInfo(b, t.key[b], t.depth[b], t.parent[b], tuple(t.copies(b)),
+                         t.ref_count[b], t.in_flight[b], t.hits[b], t.last_access[b],
+                         tuple(bool(t.candidate[b] >> i & 1) for i in range(len(self.tiers))),
+                         tuple(k[b] for k in t.resident_children), tuple(t.children(b)),
+                         b in self.pending)
+
+    def open_sequences(self) -> list[Sequence]:
+        return list(self._open.values())
+
+    def check_open(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"expected a Sequence from TieredKVCache.open, got "
+                            f"{type(seq).__name__}")
+        if seq.owner != id(self) or seq.id not in self._open:
+            if seq.closed:
+                raise SequenceClosedError(f"sequence {seq.id} is closed")
+            raise SequenceClosedError(f"sequence {seq.id} belongs to another cache")
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Bump a counter (the data plane reports retries and failures here)."""
+        with self.lock:
+            setattr(self.counters, name, getattr(self.counters, name) + n)
+
+    def stats(self) -> dict:
+        with self.lock:
+            c = self.counters.as_dict()
+            q = c["query_tokens"]
+            return {
+                **c,
+                "hit_rate": c["hit_tokens"] / q if q else 0.0,
+                "hit_tokens_by_tier": {t.name: t.hit_tokens for t in self.tiers},
+                "tiers": {t.name: t.stats() for t in self.tiers},
+                "lock_hold": self.lock.holds.summary(),
+                "lookup": self.lookups.summary(),
+                "cached_blocks": len(self.prefix),
+                "open_sequences": len(self._open),
+            }
+
+    # ------------------------------------------------------------------ sequences
+    @_mutator
+    def open(self, tokens: np.ndarray, *, salt: str | bytes | None = None,
+             adapter_id: str | None = None, reserve_last: bool = False,
+             promote: Promote | None = None) -> Sequence:
+        """Start a sequence over `tokens`, reusing the longest cached prefix from any tier.
+
+        The matched blocks are pinned and get device slots; blocks that are only in slower
+        tiers are handed to `promote` as a plan (already reserved, in flight, with the
+        LayerReadiness their readers wait on), which submits or runs it. Slots for the rest of
+        the tokens are allocated. Raises CapacityError (nothing changed) when the device tier
+        cannot hold the sequence; an exception from `promote` rolls the open back.
+        """
+        t0 = time.perf_counter()
+        root, root_id = self.hasher.root(salt, adapter_id)
+        seq = Sequence(id(self), root, root_id, tokens, self.num_layers, salt, adapter_id)
+        matched = self._match(seq)
+        if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
+            matched.pop()
+            seq.keys.pop()
+        survey = self._survey(matched)
+        promote_ids = survey.promote
+        need = len(promote_ids) + -(-len(tokens) // self.block_size) - len(matched)
+        # Check room before pinning, so that a refused open leaves even the policies' order
+        # untouched: blocks this open would pin stop being evictable.
+        self.check_room(GPU, need, extra_pinned=survey.pinning)
+        self._pin_all(survey)
+        try:
+            slots = self.allocate(GPU, need)
+        except BaseException:
+            self._unpin_survey(survey)
+            raise
+        plan: list[Transfer] = []
+        try:
+            if promote_ids:
+                readiness = LayerReadiness(self.num_layers, len(promote_ids))
+                plan = self._plan_promotion(promote_ids, slots[:len(promote_ids)], readiness)
+                if promote is None:
+                    self.commit_promotion(plan, True)   # metadata only: nothing to copy
+                else:
+                    promote(plan, readiness)
+        except BaseException:
+            # A promotion the callback did not commit (it failed before handing the plan on)
+            # is given up here; a committed one already released its device slots.
+            if plan and self.pending.get(plan[0].block) is readiness:
+                self.commit_promotion(plan, False)
+            alloc, owner = self.tiers[GPU].allocator, self.tiers[GPU].owner
+            alloc.free([s for s in slots if not alloc.is_free(s) and owner[s] == NO_BLOCK])
+            self._unpin_survey(survey)
+            raise
+        # A block already on its way (promoted for another sequence) is waited on, not
+        # copied again: one in-flight promotion per block.
+        pend = self.pending
+        if pend:
+            seq.pending = list({id(r): r for r in (pend.get(b) for b in matched)
+                                if r is not None}.values())
+        # ---- nothing below can fail
+        self.clock += 1
+        served = self._touch(survey, self.clock)
+        bs = self.block_size
+        by_tier = {}
+        for tier, n in zip(self.tiers, served):
+            tier.hit_tokens += bs * n
+            by_tier[tier.name] = bs * n
+        cached = len(matched) * bs
+        seq.blocks = matched
+        seq.chain = matched[-1] if matched else NO_BLOCK
+        seq.num_published = len(matched)
+        self._new_blocks(seq, slots[len(promote_ids):])
+        seq.num_cached_tokens = cached
+        seq.written = [cached] * self.num_layers
+        seq.cached_tokens_by_tier = by_tier
+        c = self.counters
+        c.query_tokens += len(tokens)
+        c.collisions += seq.collided
+        c.hit_tokens += cached
+        self._open[seq.id] = seq
+        self.lookups.observe(time.perf_counter() - t0)
+        return seq
+
+    def can_open(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
+        need = -(-num_tokens // self.block_size)
+        with self.lock:
+            return self.room(GPU) >= need
+
+    @_mutator
+    def append(self, seq: Sequence, tokens: np.ndarray) -> None:
+        """Declare the next tokens of a sequence; allocates device slots for new blocks."""
+        self.check_open(seq)
+        have = len(seq.blocks) * self.block_size
+        need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
+        slots = self.allocate(GPU, need, hint=self._hint(seq)) if need else []
+        seq.extend(tokens)
+        self._new_blocks(seq, slots)
+
+    @_mutator
+    def begin_write(self, seq: Sequence, layer: int, n: int) -> int:
+        """Reserve the next `n` tokens of `layer` for a write; returns the first position.
+        The caller copies outside the lock, then calls `end_write` (also on failure)."""
+        self.check_open(seq)
+        start = seq.written[layer]
+        if start + n > seq.num_tokens:
+            raise ShapeError(f"write: layer {layer} has {start} of {seq.num_tokens} tokens "
+                             f"written; {n} more would pass the declared tokens "
+                             "(append them first)")
+        if layer in seq.writing:
+            raise BusySequenceError(f"write: layer {layer} of sequence {seq.id} is being "
+                                    "written by another thread")
+        seq.writing.add(layer)
+        return start
+
+    @_mutator
+    def end_write(self, seq: Sequence, layer: int, start: int, n: int, ok: bool) -> list[int]:
+        """Finish a write begun by `begin_write`; on success advance the layer and publish the
+        blocks that became full in every layer. Returns those fresh blocks."""
+        seq.writing.discard(layer)
+        if not ok:
+            return []
+        seq.written[layer] = start + n
+        return self._publish_ready(seq)
+
+    @_mutator
+    def mark_computed(self, seq: Sequence) -> list[int]:
+        """Metadata-only mode: every declared token counts as written in every layer."""
+        self.check_open(seq)
+        seq.written = [seq.num_tokens] * self.num_layers
+        return self._publish_ready(seq)
+
+    def close(self, seq: Sequence, timeout: float | None = None) -> None:
+        """Release a sequence: its published blocks stay cached (and become evictable), its
+        private blocks are freed. Waits up to `timeout` seconds (None: for ever) for attention
+        calls still reading the sequence, then raises BusySequenceError; refuses at once while
+        a write is copying."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with atomic(), self.lock:
+                self.check_open(seq)
+                if seq.writing:
+                    raise BusySequenceError(f"close: sequence {seq.id} is being written by "
+                                            f"another thread (layers {sorted(seq.writing)})")
+                if not seq.readers:
+                    self._close(seq)
+                    return
+            # NOTE: a reader's kernel reads these blocks' slots outside the lock; freeing them
+            # now would let another request overwrite them under it. Wait outside the lock.
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise BusySequenceError(f"close: sequence {seq.id} is still being read by "
+                                        f"{seq.readers} attention call(s)")
+            with self._readers_done:
+                self._readers_done.wait_for(lambda: not seq.readers, left)
+
+    def _close(self, seq: Sequence) -> None:
+        self.clock += 1
+        t = self.blocks
+        key = t.key
+        blocks = seq.blocks
+        if blocks:
+            ids = np.asarray(blocks, dtype=np.intp)
+            t.view("last_access")[ids[t.view("published")[ids] != 0]] = self.clock
+        # Leaf first, so ties in recency evict the deepest block of a chain first.
+        for b in self._unpin_all(blocks[::-1]):
+            if key[b] is None and self._flight[b] == 0:
+                self._release(b)
+        seq.blocks = []
+        seq.closed = True
+        del self._open[seq.id]
+
+    @_mutator
+    def invalidate(self, tokens: np.ndarray, *, salt: str | bytes | None = None,
+                   adapter_id: str | None = None) -> int:
+        """Drop the cached blocks of this prefix and everything cached under them, from every
+        tier; returns how many. Blocks open sequences still read leave the index at once and
+        are freed when the last one closes."""
+        root, root_id = self.hasher.root(salt, adapter_id)
+        probe = Sequence(id(self), root, root_id, tokens[:self.block_size], self.num_layers,
+                         salt, adapter_id)
+        matched = self._match(probe)        # the same verified lookup open() uses
+        if not matched:
+            return 0
+        n = self.drop_subtree(matched[0])
+        self.counters.invalidated_blocks += n
+        return n
+
+    # ------------------------------------------------------------------ reads
+    def device_slots(self, seq: Sequence, first: int, last: int) -> list[int]:
+        """Device slots of the sequence's blocks [first, last] (lock held by the caller)."""
+        dev = self._slots[GPU]
+        return [dev[b] for b in seq.blocks[first:last + 1]]
+
+    @_mutator
+    def begin_read(self, seqs: list[Sequence], layer: int) -> tuple[list, list[int]]:
+        """Block tables of `seqs` for one layer, for a kernel that runs outside the lock.
+
+        Returns (rows, held): per sequence `(slots, tiers, length)`; `held` are blocks whose
+        promotion has not landed `layer` yet, read where they are (their slower copy), kept
+        in flight until `end_read`. Every sequence counts a reader until `end_read`, so close()
+        waits for the kernel instead of freeing slots under it. Raises TransferError (nothing
+        held) if a promotion it would read failed."""
+        for seq in seqs:
+            self.check_open(seq)
+        rows, held = [], []
+        dev, slots, pend, flight = self._slots[GPU], self._slots, self.pending, self._flight
+        fastest = self.blocks.fastest_tier
+        for seq in seqs:
+            s_row, t_row = [], []
+            for b in seq.blocks:
+                r = pend.get(b)
+                if r is not None and r.error is not None:
+                    self._unhold(held)
+                    raise TransferError(f"promotion of a block of sequence {seq.id} "
+                                        f"failed: {r.error}")
+                if r is not None and r.ready_layers > layer:
+                    # Landed: read the device copy, but hold the block so that a promotion
+                    # that fails later cannot free the slot under the kernel.
+                    s_row.append(dev[b])
+                    t_row.append(GPU)
+                    flight[b] += 1
+                    held.append(b)
+                elif r is not None:
+                    # NOTE: the fastest copy below the device, the one the promotion reads.
+                    src = next((i for i in range(1, len(slots)) if slots[i][b] != NO_SLOT),
+                               -1)
+                    if src < 0:
+                        self._unhold(held)
+                        raise TransferError(f"a block of sequence {seq.id} is neither on the "
+                                            "device nor in a slower tier")
+                    s_row.append(slots[src][b])
+                    t_row.append(src)
+                    flight[b] += 1
+                    held.append(b)
+                elif dev[b] == NO_SLOT:
+                    self._unhold(held)
+                    raise TransferError(f"a block of sequence {seq.id} has no device copy "
+                                        f"(fastest copy in tier {fastest(b)})")
+                else:
+                    s_row.append(dev[b])
+                    t_row.append(GPU)
+            rows.append((s_row, t_row, seq.written[layer]))
+        for b in held:
+            self._refresh(b)
+        for seq in seqs:
+            seq.readers += 1
+        return rows, held
+
+    def end_read(self, seqs: list[Sequence], held: list[int]) -> None:
+        with atomic(), self.lock:
+            self._unhold(held)
+            for seq in seqs:
+                seq.readers -= 1
+        with self._readers_done:
+            self._readers_done.notify_all()
+
+    def _unhold(self, held: list[int]) -> None:
+        flight, ref, key = self._flight, self._ref, self._key
+        for b in held:
+            flight[b] -= 1
+            if key[b] is None and ref[b] == 0 and flight[b] == 0:
+                self._release(b)
+            else:
+                self._refresh(b)
+        held.clear()
+
+    # ------------------------------------------------------------------ prefix matching
+    def _match(self, seq: Sequence) -> list[int]:
+        """Longest run of published blocks that equals the sequence's leading full blocks.
+
+        Keys are computed block by block and only up to the first miss: a miss ends the walk,
+        so a 1M-token prompt with a short cached prefix hashes only that prefix. Every match
+        is then verified: the parent is the block matched before it (the root id at depth 0)
+        and, with verify_tokens, the stored token ids equal the request's, so a colliding key
+        never returns another prompt's or tenant's KV.
+        """
+        tokens = seq.token_ids
+        bs = self.block_size
+        nbytes = bs * 4
+        data = tokens.tobytes()
+        key = seq.root
+        matched: list[int] = []
+        keys = seq.keys
+        h, get = self.hasher.hash_fn, self.prefix.get
+        add_key, add_block = keys.append, matched.append
+        for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
+            key = h(key + data[off:off + nbytes])
+            b = get(key)
+            if b is None:
+                break
+            add_key(key)
+            add_block(b)
+        if matched:
+            good = self._verified(seq, matched)
+            if good < len(matched):
+                seq.collided = True     # counted only if the open succeeds
+                del matched[good:]
+                del keys[good:]
+        return matched
+
+    def _verified(self, seq: Sequence, matched: list[int]) -> int:
+        """How many leading blocks of a key match really are the request's: each one's parent
+        is the block before it (the first a root of this namespace and salt) and, with
+        verify_tokens, its stored token ids equal the request's."""
+        t = self.blocks
+        n = len(matched)
+        bs = self.block_size
+        ids = np.asarray(matched, dtype=np.int32)
+        parents = t.view("parent").take(ids)
+        stored = t.tokens.take(ids, axis=0) if self.verify_tokens else None
+        want = seq.token_ids[:n * bs]
+        # NOTE: whole-chain byte comparisons first: one call each where the match is good
+        # (nearly always); the per-block search below only runs on a collision.
+        if (parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
+                and parents[1:].tobytes() == ids[:-1].tobytes()
+                and (stored is None or stored.tobytes() == want.tobytes())):
+            return n
+        ok = np.empty(n, dtype=bool)
+        ok[0] = parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
+        np.equal(parents[1:], ids[:-1], out=ok[1:])
+        if stored is not None:
+            ok &= (stored == want.reshape(n, bs)).all(axis=1)
+        return n if ok.all() else int(np.argmin(ok))
+
+    # ------------------------------------------------------------------ publishing
+    def _publish_ready(self, seq: Sequence) -> list[int]:
+        """Publish the sequence's blocks that are now full in every layer; returns them."""
+        ready = seq.num_written // self.block_size
+        if ready <= seq.num_published:
+            return []
+        t = self.blocks
+        bs = self.block_size
+        tokens = seq.token_ids
+        data = tokens.tobytes()
+        nbytes = bs * 4
+        key_of, parents, roots, born, last = t.key, t.parent, t.root_id, t.inserted_at, \
+            t.last_access
+        published, cand, ref = t.published, self._cand, self._ref
+        kids0, dev, lower = self._kids[0], self._slots[GPU], self._slots[1:]
+        prefix, h, keys, clock = self.prefix, self.hasher.hash_fn, seq.keys, self.clock
+        first = seq.num_published
+        for i in range(len(keys), ready):
+            keys.append(h((keys[-1] if i else seq.root) + data[i * nbytes:(i + 1) * nbytes]))
+        parent = seq.chain if first else NO_BLOCK
+        if ready - first >= 2 and parent != BROKEN and (parent == NO_BLOCK
+                                                         or key_of[parent] is not None):
+            get = prefix.get
+            run = keys[first:ready]
+            # NOTE: distinct too: a hash that collides within the run must meet the scalar
+            # path's collision handling, not overwrite its own first block's entry.
+            if not any(get(k) is not None for k in run) and len(set(run)) == len(run):
+                return self._publish_chain(seq, first, ready, parent)
+        fresh: list[int] = []
+        rows: list[int] = []            # published blocks, and their positions: token ids
+        at: list[int] = []              # are stored in one vectorised copy at the end
+        for i in range(first, ready):
+            b = seq.blocks[i]
+            key = keys[i]
+            # `chain` is the published block standing for block i-1: the sequence's own, or an
+            # equal one another sequence published first. NO_BLOCK at depth 0; BROKEN after a
+            # block that could not be published.
+            parent = seq.chain if i else NO_BLOCK
+            if parent == BROKEN or (parent != NO_BLOCK and key_of[parent] is None):
+                seq.chain = BROKEN  # below a block that could not be published: stays private
+                continue
+            existing = prefix.get(key)
+            if existing is not None:
+                self._met_published(seq, i, b, existing, parent)
+                continue
+            key_of[b] = key
+            published[b] = 1
+            rows.append(b)
+            at.append(i)
+            parents[b] = parent
+            if parent == NO_BLOCK:
+                roots[b] = seq.root_id
+            born[b] = last[b] = clock
+            prefix[key] = b
+            if parent != NO_BLOCK:
+                self._link(parent, b)
+                if dev[b] != NO_SLOT:
+                    kids0[parent] += 1
+                for j, s in enumerate(lower, 1):
+                    if s[b] != NO_SLOT:
+                        self._kids[j][parent] += 1
+                # NOTE: a new resident child can only end the parent's candidacy.
+                if cand[parent]:
+                    self._refresh(parent)
+            # NOTE: a block the sequence pins with no copy below the device (a block of its
+            # own always is) cannot be a candidate anywhere: nothing to tell the policies.
+            if not ref[b] or any(s[b] != NO_SLOT for s in lower):
+                self._refresh(b)
+            fresh.append(b)
+            seq.chain = b
+        if rows:
+            t.tokens[np.asarray(rows, dtype=np.intp)] = \
+                tokens[:ready * bs].reshape(ready, bs)[np.asarray(at, dtype=np.intp)]
+        seq.num_published = ready
+        return fresh
+
+    def _met_published(self, seq: Sequence, i: int, b: int, existing: int,
+                       parent: int) -> None:
+        """Block i of `seq` (its own block b) has the key of a published block."""
+        t = self.blocks
+        bs = self.block_size
+        same = (t.parent[existing] == parent
+                and np.array_equal(t.tokens[existing], seq.token_ids[i * bs:(i + 1) * bs])
+                and (parent != NO_BLOCK or t.root_id[existing] == seq.root_id))
+        if same:
+            self.counters.duplicates += 1
+        else:
+            self.counters.collisions += 1
+        seq.chain = BROKEN
+        if (same and existing not in self.pending and self._slots[GPU][existing] != NO_SLOT
+                and not seq.readers):
+            # NOTE: an equal block another sequence published first, readable on the device:
+            # use it instead of ours (pinned like any block of ours) and free ours, so the
+            # rest of the chain publishes under it. Otherwise the rest stays private: a parent
+            # we do not pin could vanish under us. Not while an attention call reads this
+            # sequence: it may read our slot.
+            self._pin(existing)
+            seq.blocks[i] = existing
+            self._unpin(b)
+            self._release(b)
+            seq.chain = existing
+
+    # ------------------------------------------------------------------ new blocks
+    def _hint(self, seq: Sequence) -> int | None:
+        if seq.blocks and self._slots[GPU][seq.blocks[-1]] != NO_SLOT:
+            return self._slots[GPU][seq.blocks[-1]] + 1
+        return None
+
+    def _new_blocks(self, seq: Sequence, slots: list[int]) -> None:
+        """Private blocks for the sequence's uncached tokens, already holding device slots."""
+        if not slots:
+            return
+        t = self.blocks
+        dev, owner, depth = self._slots[GPU], self.tiers[GPU].owner, len(seq.blocks)
+        new = t.new
+        for slot in slots:
+            b = new(depth, 1)
+            depth += 1
+            dev[b] = slot
+            owner[slot] = b
+            seq.blocks.append(b)
+        self.tiers[GPU].pinned_blocks += len(slots)
+
+
+def _no_copy(plan: list[Transfer]) -> None:
+    """The copy executor of a metadata-only index: nothing to copy."""
+

@@ -1,0 +1,232 @@
+"""Background moves: planned under the lock, copied outside it, committed under it.
+
+Each kind of move (demotion, write-through copy, compaction; promotion is planned by
+`BlockIndex.open`) has a `plan_*` and a `commit_*`. Planning reserves destination slots and marks
+the blocks in flight (`begin_move`), which takes them out of every policy's candidate set, so
+nothing evicts, frees or re-plans them while the copy runs without the lock. Committing applies
+the result, or rolls it back: a failed copy frees the destination and leaves the block valid
+where it was. Tier numbers are parameters: gpu -> host and host -> disk demotion are the same
+code.
+
+Every function here takes the index's lock (re-entrant) and changes state only through the
+index's public methods; none writes a block or tier field itself.
+
+NOTE: a block can change while its copy runs: an open() may pin it, an invalidate() may drop it.
+Commits re-check: a dropped block's slots are freed here (drop defers them while in flight), a
+pinned block is never remapped by the compactor, and a demoted block that got pinned keeps its
+faster copy (the demotion then acted as a write-through copy).
+"""
+
+from __future__ import annotations
+
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.core.index import BlockIndex
+from tiered_cache.core.transfer import Transfer
+from tiered_cache.errors import CapacityError
+
+
+# ---------------------------------------------------------------- demotion (watermark)
+def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
+                  after: list[Transfer] | None = None) -> list[Transfer]:
+    """Pick up to n victims of tier `src` by policy. Those already held by a slower tier leave
+    `src` at once; the rest get a slot in `dst` and a copy (or are dropped when `dst` has no
+    room, or is None).
+
+    `after`: a demotion batch still copying. The parents it leaves behind come first (see
+    `_chain_tops`): long chains keep moving while the previous batch is in flight."""
+    with idx.locked():
+        slots = idx.blocks.slots
+        victims = _chain_tops(idx, src, after, n) if after else []
+        victims += idx.take_victims(src, n - len(victims))
+        _extend_chains(idx, src, victims, n)
+        below = range(src + 1, len(slots))
+        # Ascending source slots paired with ascending destination slots: adjacent blocks merge
+        # into one large copy (transfer.group sorts by source slot).
+        need = sorted((v for v in victims if dst is not None
+                       and all(slots[i][v] == NO_SLOT for i in below)),
+                      key=lambda v: slots[src][v])
+        k = min(len(need), idx.room(dst)) if dst is not None else 0
+        try:
+            dest = idx.reserve(dst, k) if k else []
+        except CapacityError:
+            # Room counted blocks the lower tier cannot evict right now (in flight, or a
+            # shrink draining it): keep these victims where they are for the next round.
+            kept = set(need)
+            for v in need:
+                idx.recheck(v)
+            victims = [v for v in victims if v not in kept]
+            need, dest = [], []
+        plan: list[Transfer] = []
+        for v, s in zip(need[:k], dest):
+            if slots[src][v] == NO_SLOT:     # dropped by the lower tier's eviction just now
+                idx.free_slot(dst, s)
+                idx.unreserve(dst)
+                continue
+            plan.append(Transfer(v, src, slots[src][v], dst, s))
+            idx.begin_move(v)
+        moving = {t.block for t in plan}
+        for v in victims:                   # no copy needed, or no room: leave the tier now
+            if v in moving or slots[src][v] == NO_SLOT:
+                continue
+            idx.clear_slot(v, src)
+            idx.note_evictions(src)
+            idx.drop_if_uncached(v)
+        return plan
+
+
+def _chain_tops(idx: BlockIndex, src: int, batch: list[Transfer], n: int) -> list[int]:
+    """Parents that a demotion batch in flight leaves as the bottom of their chain: published,
+    unpinned, not in flight, in `src`, and every child with a copy in `src` in that batch.
+
+    NOTE: they are not candidates yet (their children still hold slots until the batch
+    commits), so the policy cannot offer them; the next batch would wait for the commit and
+    pipelining would stall on long chains. Taking them is `_extend_chains` across batches: a
+    parent used only through the chain was last used with it. Commits run in batch order, so
+    the children still leave the tier first.
+    """
+    t = idx.blocks
+    mine = t.slots[src]
+    moving = {tr.block for tr in batch}
+    tops: list[int] = []
+    seen: set[int] = set()
+    for tr in batch:
+        p = t.parent[tr.block]
+        if p == NO_BLOCK or p in moving or p in seen or len(tops) >= n:
+            continue
+        seen.add(p)
+        if t.key[p] is None or t.ref_count[p] or t.in_flight[p] or t.candidate[p] >> src & 1 \
+                or mine[p] == NO_SLOT:
+            continue
+        if all(mine[c] == NO_SLOT or c in moving for c in t.children(p)):
+            tops.append(p)
+    return tops
+
+
+def _extend_chains(idx: BlockIndex, src: int, victims: list[int], n: int) -> None:
+    """Add to the batch, up to n blocks, each parent whose children in `src` all leave in it
+    (published, unpinned, not in flight).
+
+    NOTE: only leaves are candidates, so a batch would hold one block per chain and every
+    copy would be a single block. A parent used only through this chain was last used with
+    it, so taking it along keeps the policy's order while long chains move as long runs.
+    """
+    t = idx.blocks
+    mine, kids = t.slots[src], t.resident_children[src]
+    leaving: dict[int, int] = {}
+    i = 0
+    while i < len(victims) and len(victims) < n:
+        p = t.parent[victims[i]]
+        i += 1
+        if p == NO_BLOCK or t.key[p] is None or t.ref_count[p] or t.in_flight[p] \
+                or t.candidate[p] >> src & 1:
+            continue
+        leaving[p] = leaving.get(p, 0) + 1
+        if leaving[p] == kids[p] and mine[p] != NO_SLOT:
+            victims.append(p)
+
+
+def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
+    with idx.locked():
+        t = idx.blocks
+        for tr in plan:
+            b = tr.block
+            idx.unreserve(tr.dst_tier)
+            if ok and t.key[b] is not None:
+                idx.count("demotions")
+                idx.count("demotion_bytes", idx.block_bytes)
+                if t.ref_count[b] == 0:
+                    idx.move_copy(b, tr.src_tier, tr.dst_tier, tr.dst_slot)
+                    idx.note_evictions(tr.src_tier)
+                else:                   # pinned meanwhile: it keeps its faster copy too
+                    idx.set_slot(b, tr.dst_tier, tr.dst_slot)
+            else:
+                idx.free_slot(tr.dst_tier, tr.dst_slot)
+            idx.end_move(b)
+
+
+# ---------------------------------------------------------------- write-through
+def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
+                   dst: int = 1) -> list[Transfer]:
+    """A copy in `dst` for published blocks that have one in `src` and none in `dst`."""
+    with idx.locked():
+        slots = idx.blocks.slots
+        if dst >= len(slots):
+            return []
+        todo = sorted((b for b in blocks if slots[dst][b] == NO_SLOT and slots[src][b] != NO_SLOT
+                       and idx.blocks.key[b] is not None), key=lambda b: slots[src][b])
+        n = min(len(todo), idx.room(dst))
+        if n == 0:
+            return []
+        dest = idx.reserve(dst, n)
+        plan = []
+        for b, s in zip(todo[:n], dest):
+            if slots[src][b] == NO_SLOT:
+                idx.free_slot(dst, s)
+                idx.unreserve(dst)
+                continue
+            plan.append(Transfer(b, src, slots[src][b], dst, s))
+            idx.begin_move(b)
+        return plan
+
+
+def commit_copy_down(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
+    with idx.locked():
+        for tr in plan:
+            b = tr.block
+            idx.unreserve(tr.dst_tier)
+            if ok and idx.blocks.key[b] is not None:
+                idx.set_slot(b, tr.dst_tier, tr.dst_slot)
+                idx.count("write_through_blocks")
+            else:
+                idx.free_slot(tr.dst_tier, tr.dst_slot)
+            idx.end_move(b)
+
+
+# ---------------------------------------------------------------- compaction
+def movable(idx: BlockIndex, b: int) -> bool:
+    """The compactor moves only published, unpinned blocks with no copy under way."""
+    t = idx.blocks
+    return b != NO_BLOCK and t.key[b] is not None and t.ref_count[b] == 0 \
+        and t.in_flight[b] == 0
+
+
+def plan_compaction(idx: BlockIndex, t: int, max_moves: int, floor: int = 0) -> list[Transfer]:
+    """Pair the highest movable blocks (at or above `floor`) with the lowest free slots below
+    them. A shrink passes its new size as the floor: only the tail is emptied."""
+    with idx.locked():
+        tier = idx.tiers[t]
+        alloc, owner = tier.allocator, tier.owner
+        plan: list[Transfer] = []
+        slot = alloc.highest_used()
+        low = alloc.lowest_free()
+        # Two cursors: `slot` walks down over used slots, `low` up over free ones; each flag
+        # is looked at once per step, so a step is O(slots scanned) at memchr speed.
+        while slot is not None and slot >= floor and low is not None and low < slot \
+                and len(plan) < max_moves:
+            b = owner[slot]
+            if movable(idx, b):
+                idx.reserve_at(t, low)
+                plan.append(Transfer(b, t, slot, t, low))
+                idx.begin_move(b)
+                low = alloc.lowest_free(low + 1)
+            slot = alloc.highest_used_below(slot)
+        return plan
+
+
+def commit_compaction(idx: BlockIndex, plan: list[Transfer], ok: bool) -> int:
+    """Returns the number of blocks moved."""
+    moved = 0
+    with idx.locked():
+        t = idx.blocks
+        for tr in plan:
+            b, tier = tr.block, tr.src_tier
+            idx.unreserve(tier)
+            if ok and t.key[b] is not None and t.ref_count[b] == 0 \
+                    and t.slots[tier][b] == tr.src_slot:
+                idx.remap(b, tier, tr.dst_slot)
+                moved += 1
+            else:
+                idx.free_slot(tier, tr.dst_slot)
+            idx.end_move(b)
+        idx.count("compaction_moves", moved)
+    return moved
