@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Without a GPU, pin the CPU torch wheel: an unpinned torch pulls a multi-GB CUDA build.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
-	$(PY) -m pip install -q -e '.[dev,hf]'
+	$(PY) -m pip install -q -e '.[dev,hf,tools,remote]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -33,13 +33,17 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# A wheel built from the repo, installed in a clean venv, must import the mapped subpackages.
+# A wheel built from the repo, installed in a clean venv, must import the mapped subpackages,
+# and its tools must run without the `tools` extra (no matplotlib, no tqdm) where they can.
 wheel-check: $(STAMP)
 	rm -rf build dist /tmp/tc-wheel-venv
 	$(PY) -m pip wheel -q --no-deps -w dist . >/dev/null
 	python3 -m venv /tmp/tc-wheel-venv
 	/tmp/tc-wheel-venv/bin/pip install -q torch==2.13.0 dist/*.whl
-	cd /tmp && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache; print('wheel ok:', tiered_cache.__file__)"
+	cd /tmp && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache, tiered_cache.tools.replay; print('wheel ok:', tiered_cache.__file__)"
+	cd /tmp && /tmp/tc-wheel-venv/bin/tiered-cache --version
+	cd /tmp && /tmp/tc-wheel-venv/bin/tiered-cache plan >/dev/null
+	cd /tmp && /tmp/tc-wheel-venv/bin/tiered-cache replay --workload chat --requests 50 --gpu-blocks 200 >/dev/null
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -2,7 +2,7 @@
 
 Replays, through the real control plane (`storage: none`), the shared Mooncake trace
 (`../shared/traces/mooncake_synthetic_trace.jsonl`, 512-token blocks) and the three seeded
-workloads of `tiered_cache.workloads` (chat, rag, agent; 4,000 requests, seed 0) at several
+workloads of `tiered_cache.tools.workloads` (chat, rag, agent; 4,000 requests, seed 0) at several
 capacities:
 
 - single tier (device only, capacity = N blocks): LRU, the replay default, the policy under test
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import default_out, environment, print_table, write_json  # noqa: E402
 
-from tiered_cache import workloads  # noqa: E402
-from tiered_cache.replay import (  # noqa: E402
+from tiered_cache.tools import workloads  # noqa: E402
+from tiered_cache.tools.replay import (  # noqa: E402
     DEFAULT_POLICY,
     load_trace,
     replay,

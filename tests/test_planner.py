@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import pytest
 
-from tiered_cache import planner
 from tiered_cache.config import CacheConfig
+from tiered_cache.tools import cli, planner
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_70B = ROOT / "configs" / "llama-70b-h200.yaml"
@@ -69,9 +68,7 @@ def test_gpu_percentage_uses_given_free_memory():
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="tiered-cache plan")
-    planner.add_arguments(parser)
-    rc = planner.main(parser.parse_args(argv))
+    rc = cli.main(["plan", *argv])
     out, err = capsys.readouterr()
     return rc, out, err
 
@@ -128,9 +125,10 @@ def test_cli_default_config(capsys):
 
 
 def test_cli_errors(tmp_path, capsys):
-    rc, out, err = run_cli(["--config", str(tmp_path / "missing.yaml")], capsys)
+    missing = tmp_path / "missing.yaml"
+    rc, out, err = run_cli(["--config", str(missing)], capsys)
     assert rc == 2 and out == ""
-    assert err.startswith("error: ") and "no such config file" in err
+    assert err == f"tiered-cache plan: error: {missing}: no such config file\n"
     rc, _, err = run_cli(["--config", str(CONFIG_70B), "--gpu-memory", "50%"], capsys)
     assert rc == 2
     assert "error: --gpu-memory: expected an absolute size like '512GiB', got '50%'" in err
@@ -138,7 +136,36 @@ def test_cli_errors(tmp_path, capsys):
     bad.write_text("tiers:\n  gpu:\n    capacity: 1KiB\n")
     rc, _, err = run_cli(["--config", str(bad)], capsys)
     assert rc == 2
-    assert "tiers.gpu.capacity: '1KiB' (1,024 bytes) holds no block of 65,536 bytes" in err
+    # Computed from the file's values after loading: still names the file, then the key.
+    assert (f"error: {bad}: tiers.gpu.capacity: '1KiB' (1,024 bytes) holds no block of 65,536 "
+            "bytes") in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("text,key", [
+    ("model:\n  num_layers: 0\n", "model.num_layers"),
+    ('policy: ":Foo"\n', "policy"),                  # once a ValueError and a traceback
+    ('policy: ".rel:Foo"\n', "policy"),              # once a TypeError and a traceback
+    ("tiers:\n  gpu:\n    capacity: \"1" + "0" * 400 + "GiB\"\n", "tiers.gpu.capacity"),
+])
+def test_config_file_errors_name_the_file_and_the_key(tmp_path, capsys, text, key):
+    f = tmp_path / "my.yaml"
+    f.write_text(text)
+    rc, out, err = run_cli(["--config", str(f)], capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"tiered-cache plan: error: {f}: {key}: "), err
+    assert "Traceback" not in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--gpu-memory", "1" + "0" * 400 + "GiB"],        # once an OverflowError and a traceback
+    ["--host-memory", "lots"],
+])
+def test_plan_flag_errors_are_one_line_exit_2(capsys, argv):
+    rc, out, err = run_cli(argv, capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"tiered-cache plan: error: {argv[0]}: expected an absolute size")
+    assert len(err.splitlines()) == 1
 
 
 def test_format_plan_is_aligned():

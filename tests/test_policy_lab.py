@@ -15,7 +15,7 @@ from tiered_cache.core.blocks import NO_SLOT, BlockTable
 from tiered_cache.policies import POLICIES
 from tiered_cache.policies.belady import NEVER, BeladyPolicy, NextUseOracle, block_key
 from tiered_cache.policies.reuse_credit import ReuseCreditPolicy
-from tiered_cache.replay import attach_oracle, build_cache, replay
+from tiered_cache.tools.replay import attach_oracle, build_cache, replay
 
 BS = 2
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from tiered_cache import cli
-from tiered_cache.replay import (
+from tiered_cache.tools import cli
+from tiered_cache.tools.replay import (
     MODEL_70B,
     CostModel,
     SweepSpec,
@@ -16,6 +16,7 @@ from tiered_cache.replay import (
     replay,
     split_capacity,
     sweep,
+    sweep_figure,
 )
 
 # Three requests: [1 2 3], [1 2 4] (hits 1 2), [1 2 3] (hits 1 2 3): 5 of 9 blocks.
@@ -205,3 +206,140 @@ def test_benchmark_quick_runs(tmp_path):
     assert data["benchmark"] == "replay" and data["single_tier"] and data["speed"]
     assert {"meets_target", "meets_floor", "meets_speed", "two_tier"} <= set(data)
     assert "x_lru" in proc.stdout and "block_ops_per_s" in proc.stdout
+
+
+# --- the sweep plot's ratio-to-LRU panel ---------------------------------------------------------
+
+
+def _lines(ax):
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+            for line in ax.get_lines() if not line.get_label().startswith("_")}
+
+
+def test_sweep_figure_has_a_ratio_to_lru_row():
+    res = sweep(TINY, SweepSpec(capacities=[3, 4, 8], policies=["lru", "reuse_credit",
+                                                                "belady"]),
+                block_size=2, progress=False)
+    fig = sweep_figure(res, title="tiny")
+    try:
+        axes = fig.axes
+        assert len(axes) == 4                       # (hit rate, ratio) x (single, two)
+        for col, mode in enumerate(res["tiers"]):
+            hit_ax, ratio_ax = axes[col], axes[2 + col]
+            assert hit_ax.get_ylabel() == "token hit rate"
+            assert ratio_ax.get_ylabel() == "token hit rate / lru's"
+            rows = {(r["policy"], r["capacity"]): r for r in res["rows"] if r["tiers"] == mode}
+            hits = _lines(hit_ax)
+            assert set(hits) == {"lru", "reuse_credit", "belady"}
+            assert hits["belady"] == ([3, 4, 8], [rows["belady", c]["token_hit_rate"]
+                                                  for c in (3, 4, 8)])
+            ratios = _lines(ratio_ax)
+            # LRU is the 1.0 line itself; Belady, the offline optimum, only in the top row.
+            assert set(ratios) == {"reuse_credit"}
+            expected = [rows["reuse_credit", c]["token_hit_rate"]
+                        / rows["lru", c]["token_hit_rate"] for c in (3, 4, 8)]
+            assert ratios["reuse_credit"] == ([3, 4, 8], pytest.approx(expected))
+            assert [line.get_ydata()[0] for line in ratio_ax.get_lines()
+                    if line.get_label().startswith("_")] == [1.0]   # the baseline line
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def test_sweep_figure_without_lru_has_no_ratio_row():
+    res = sweep(TINY, SweepSpec(capacities=[3, 8], policies=["belady"], tiers=["single"]),
+                block_size=2, progress=False)
+    assert all(r["vs_lru"] is None for r in res["rows"])
+    fig = sweep_figure(res)
+    try:
+        assert len(fig.axes) == 1
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+# --- flags name themselves; cost model and sweep spec check their values -------------------------
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--gpu-blocks", "0"], "--gpu-blocks: expected a positive integer, got 0"),
+    (["--gpu-blocks", "4", "--host-blocks", "-1"],
+     "--host-blocks: expected a non-negative integer, got -1"),
+    (["--gpu-blocks", "4", "--block-size", "3"], "--block-size: expected a power of two"),
+    (["--gpu-blocks", "4", "--layers", "0"], "--layers: expected a positive integer, got 0"),
+    (["--gpu-blocks", "4", "--q-heads", "3"],
+     "--q-heads: must be a multiple of --kv-heads (8), got 3"),
+    (["--gpu-blocks", "4", "--mfu", "0"], "--mfu: expected a number in (0, 1], got 0"),
+    (["--gpu-blocks", "4", "--pcie-gbps", "-5"], "--pcie-gbps: expected a positive number"),
+    (["--gpu-blocks", "4", "--policy", ":Foo"], "--policy: "),
+    (["--gpu-blocks", "4", "--requests", "-1"],
+     "--requests: expected a non-negative integer, got -1"),
+    (["--sweep", "--capacities", "0"], "--capacities: expected comma-separated positive"),
+    (["--sweep", "--tiers", "three", "--no-plot"], "--tiers: expected 'single', 'two' or both"),
+    (["--sweep", "--policies", "lru,mru", "--no-plot"], "--policies: unknown policy 'mru'"),
+])
+def test_flag_errors_name_the_flag(capsys, tiny_path, argv, message):
+    rc, out, err = run_cli(capsys, tiny_path, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"tiered-cache replay: error: {message}"), err
+    assert len(err.splitlines()) == 1
+    for key in ("tiers.", "model.", "block_size:", "num_blocks"):
+        assert key not in err
+
+
+def test_cost_model_rejects_values_that_would_divide_by_zero():
+    from tiered_cache.errors import ConfigError
+
+    for kw in ({"mfu": 0}, {"mfu": 1.5}, {"pcie_gbps": 0}, {"peak_tflops": float("inf")},
+               {"num_layers": -1}):
+        with pytest.raises(ConfigError, match=next(iter(kw))):
+            CostModel(**kw)
+    with pytest.raises(ConfigError, match="model.num_layers"):
+        CostModel.for_model({**MODEL_70B, "num_layers": 0})
+
+
+def test_sweep_spec_checks_its_values():
+    from tiered_cache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="capacities"):
+        SweepSpec(capacities=[0])
+    with pytest.raises(ConfigError, match="tiers"):
+        SweepSpec(tiers=["three"])
+    with pytest.raises(ConfigError, match="gpu_fraction"):
+        SweepSpec(gpu_fraction=0)
+
+
+# --- the tools extra -----------------------------------------------------------------------------
+
+
+def _cli_without(modules, *argv):
+    import subprocess
+    import sys
+
+    block = "".join(f"sys.modules[{m!r}] = None; " for m in modules)
+    code = (f"import sys; {block}from tiered_cache.tools.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    return subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_sweep_without_the_tools_extra_names_it_or_does_without(tiny_path, tmp_path):
+    base = ["replay", tiny_path, "--block-size", 2, "--sweep", "--capacities", "3,8",
+            "--policies", "lru,belady", "--out", tmp_path / "sweep"]
+    proc = _cli_without(("matplotlib", "tqdm"), *base)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr == ("tiered-cache replay: error: the plot needs matplotlib, which is not "
+                           "installed: pip install 'tiered-cache[tools]', or pass --no-plot\n")
+    proc = _cli_without(("matplotlib", "tqdm"), *base, "--no-plot")
+    assert proc.returncode == 1
+    assert "the progress bar needs tqdm" in proc.stderr and "--no-progress" in proc.stderr
+    assert not (tmp_path / "sweep" / "sweep.json").exists()    # refused before any work
+    proc = _cli_without(("matplotlib", "tqdm"), *base, "--no-plot", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["rows"]
+    single = _cli_without(("matplotlib", "tqdm"), "replay", tiny_path, "--block-size", 2,
+                          "--gpu-blocks", 8, "--json")
+    assert single.returncode == 0, single.stderr
+    assert json.loads(single.stdout)["token_hit_rate"] == pytest.approx(5 / 9)

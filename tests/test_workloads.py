@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from tiered_cache import workloads
-from tiered_cache.workloads import WORKLOADS, BlockIds, generate
+from tiered_cache.tools import workloads
+from tiered_cache.tools.workloads import WORKLOADS, BlockIds, generate
 
 N = 600
 
@@ -132,3 +132,45 @@ def test_cli_writes_jsonl(capsys, tmp_path):
     assert workloads.main(["rag", "--requests", "7", "--block-size", "16", "-o", str(out)]) == 0
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert recs == generate("rag", 7, seed=0, block_size=16)
+
+
+def test_bad_arguments_are_config_errors_naming_the_parameter():
+    from tiered_cache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^requests: "):
+        workloads.chat(-1)
+    with pytest.raises(ConfigError, match="^block_size: "):
+        workloads.agent(5, block_size=0)
+    with pytest.raises(ConfigError, match="^block_size: "):
+        BlockIds(True)
+
+
+def test_cli_flag_errors_are_one_line_exit_2(capsys, tmp_path):
+    assert workloads.main(["chat", "--requests", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("python -m tiered_cache.tools.workloads: error: --requests: expected a "
+                   "non-negative integer, got -1 (see python -m tiered_cache.tools.workloads "
+                   "--help)\n")
+    assert workloads.main(["chat", "-o", str(tmp_path / "no" / "such" / "dir.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m tiered_cache.tools.workloads: error: --output: cannot "
+                          "write ") and len(err.splitlines()) == 1
+
+
+def test_cli_piped_into_head_ends_quietly():
+    """`python -m tiered_cache.tools.workloads chat | head -n 1`: head exits after one line;
+    the generator's next write fails, and it stops without a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tiered_cache.tools.workloads", "chat", "--requests", "2000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # NOTE: 2,000 records are megabytes, far more than a pipe buffers, so the writer is
+    # still writing when the reader goes away: its next write always fails.
+    first = json.loads(proc.stdout.readline())
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1
+    assert err == ""
+    assert first == generate("chat", 1, seed=0)[0]

@@ -20,15 +20,15 @@ blocks, the last one possibly partial (a partial block never matches a later, lo
 
 Same arguments and seed, same output, byte for byte (numpy's PCG64 generator). Command line:
 
-    python -m tiered_cache.workloads chat --requests 2000 --seed 0 > chat.jsonl
-    python -m tiered_cache.workloads rag --requests 500 --block-size 16 -o rag.jsonl
+    python -m tiered_cache.tools.workloads chat --requests 2000 --seed 0 > chat.jsonl
+    python -m tiered_cache.tools.workloads rag --requests 500 --block-size 16 -o rag.jsonl
 
-`tiered-cache replay --workload chat` replays a generated stream without writing a file.
+`tiered-cache replay --workload chat` replays a generated stream without writing a file. Bad
+parameters raise ConfigError (a ValueError) naming the parameter.
 """
 
 from __future__ import annotations
 
-import argparse
 import heapq
 import json
 import sys
@@ -36,6 +36,8 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import numpy as np
+
+from tiered_cache.errors import ConfigError
 
 Request = dict[str, Any]
 Segment = tuple[Hashable, int]          # (content key, length in tokens)
@@ -50,8 +52,8 @@ class BlockIds:
     """
 
     def __init__(self, block_size: int) -> None:
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ConfigError("block_size", f"expected a positive int, got {block_size!r}")
         self.block_size = block_size
         self._ids: dict[tuple, int] = {}
 
@@ -111,10 +113,10 @@ def _finish(events: list[tuple[float, int, list[Segment], int]], ids: BlockIds,
 
 
 def _check(requests: int, block_size: int) -> None:
-    if not isinstance(requests, int) or requests < 0:
-        raise ValueError(f"requests: expected a non-negative int, got {requests!r}")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size: expected a positive int, got {block_size!r}")
+    if not isinstance(requests, int) or isinstance(requests, bool) or requests < 0:
+        raise ConfigError("requests", f"expected a non-negative int, got {requests!r}")
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ConfigError("block_size", f"expected a positive int, got {block_size!r}")
 
 
 def chat(requests: int = 4000, *, seed: int = 0, block_size: int = 512,
@@ -282,8 +284,8 @@ def generate(name: str, requests: int = 4000, *, seed: int = 0, block_size: int 
     try:
         fn = WORKLOADS[name]
     except KeyError:
-        raise ValueError(f"unknown workload {name!r}; expected one of "
-                         f"{sorted(WORKLOADS)}") from None
+        raise ConfigError("name", f"unknown workload {name!r}; expected one of "
+                                  f"{sorted(WORKLOADS)}") from None
     return fn(requests, seed=seed, block_size=block_size, **params)
 
 
@@ -294,25 +296,43 @@ def write_jsonl(records: Iterable[Request], out) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m tiered_cache.workloads",
-        description="Write a seeded synthetic request trace (Mooncake JSONL shape) to stdout.")
-    parser.add_argument("workload", choices=sorted(WORKLOADS))
-    parser.add_argument("--requests", type=int, default=4000, help="requests (default 4000)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    parser.add_argument("--block-size", type=int, default=512,
-                        help="tokens per hash id (default 512, as the Mooncake traces)")
+    """`python -m tiered_cache.tools.workloads NAME ...`; returns the exit code. A reader that
+    stops early (`| head`) ends it quietly."""
+    from tiered_cache.tools import command
+
+    prog = "python -m tiered_cache.tools.workloads"
+    parser = command.ArgumentParser(
+        prog=prog,
+        description="Write a seeded synthetic request trace (Mooncake JSONL shape) to stdout.\n"
+                    "Same arguments and seed, same output, byte for byte.")
+    parser.add_argument("workload", choices=sorted(WORKLOADS), help="which workload")
+    parser.add_argument("--requests", type=command.non_negative_int, default=4000,
+                        help="requests")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument("--block-size", type=command.positive_int, default=512,
+                        help="tokens per hash id (512: as the Mooncake traces)")
     parser.add_argument("-o", "--output", help="write to this file instead of stdout")
-    args = parser.parse_args(argv)
-    if args.requests < 0 or args.block_size < 1:
-        parser.error("--requests must be >= 0 and --block-size >= 1")
-    records = generate(args.workload, args.requests, seed=args.seed, block_size=args.block_size)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            write_jsonl(records, f)
-    else:
-        write_jsonl(records, sys.stdout)
-    return 0
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:               # --help or a usage error, already printed
+        return exc.code if isinstance(exc.code, int) else command.EXIT_USAGE
+
+    def body() -> int:
+        records = generate(args.workload, args.requests, seed=args.seed,
+                           block_size=args.block_size)
+        if args.output:
+            try:
+                f = open(args.output, "w", encoding="utf-8")
+            except OSError as exc:
+                raise command.UsageError(f"--output: cannot write {args.output}: "
+                                         f"{exc.strerror or exc}") from None
+            with f:
+                write_jsonl(records, f)
+        else:
+            write_jsonl(records, sys.stdout)
+        return 0
+
+    return command.run(body, prog)
 
 
 if __name__ == "__main__":

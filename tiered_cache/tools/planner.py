@@ -18,7 +18,17 @@ from typing import Any, NamedTuple
 
 from tiered_cache import sizing
 from tiered_cache.config import CacheConfig
-from tiered_cache.errors import ConfigError, TieredCacheError
+from tiered_cache.errors import ConfigError, TierUnavailableError
+from tiered_cache.tools import command
+
+DESCRIPTION = """\
+How many blocks, bytes and tokens each tier of a config holds, and the bytes per token and
+per block of its model geometry. --gpu-memory / --host-memory set the free memory that a "70%"
+capacity applies to, so you can plan for a machine you are not on.
+
+examples:
+  tiered-cache plan --config configs/llama-70b-h200.yaml
+  tiered-cache plan --config my.yaml --gpu-memory 80GiB --host-memory 512GiB --json"""
 
 
 class TierPlan(NamedTuple):
@@ -128,41 +138,41 @@ def format_plan(plan: Plan) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="YAML config (default: the embedded default config)")
-    parser.add_argument("--gpu-memory", metavar="SIZE", default=None,
+    parser.add_argument("--gpu-memory", metavar="SIZE", type=command.absolute_size,
+                        default=None,
                         help="free GPU memory that a '%%' gpu capacity applies to, e.g. 80GiB "
                              "(default: ask this machine)")
-    parser.add_argument("--host-memory", metavar="SIZE", default=None,
+    parser.add_argument("--host-memory", metavar="SIZE", type=command.absolute_size,
+                        default=None,
                         help="free host memory that a '%%' host capacity applies to, e.g. 512GiB "
                              "(default: ask this machine)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _free_override(text: str | None, option: str, capacity: Any) -> int | None:
-    if text is None:
-        return None
-    kind, value = sizing.parse_size(text, option)
-    if kind != "bytes":
-        raise ConfigError(option, f"expected an absolute size like '512GiB', got {text!r}")
-    if capacity is None or sizing.parse_size(capacity, option)[0] != "fraction":
+def _free_override(free: int | None, option: str, capacity: Any) -> int | None:
+    """`free`, with a note on stderr when the tier's size does not depend on it."""
+    if free is not None and (capacity is None
+                             or sizing.parse_size(capacity, option)[0] != "fraction"):
         print(f"note: {option} is ignored: that tier's size is not a '%' capacity",
               file=sys.stderr)
-    return int(value)
+    return free
 
 
 def main(args: argparse.Namespace) -> int:
-    """Print the plan (table, or JSON with --json). Returns 0, or 2 on a config error."""
+    """Print the plan (table, or JSON with --json). Bad input raises ConfigError naming the
+    flag, or the config file and key."""
+    config = command.load_config(args.config)
+    source = args.config or "<default config>"
     try:
-        config = CacheConfig.from_yaml(args.config) if args.config else CacheConfig.default()
-        gpu_free = _free_override(args.gpu_memory, "--gpu-memory", config.tiers.gpu.capacity)
-        host_free = _free_override(args.host_memory, "--host-memory",
-                                   config.tiers.host.capacity)
-        plan = make_plan(config, gpu_free=gpu_free, host_free=host_free)
-    except TieredCacheError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        if not isinstance(exc, ConfigError):
-            print("hint: pass --gpu-memory SIZE to plan for a GPU this machine does not have",
-                  file=sys.stderr)
-        return 2
+        with command.config_errors(source=source):
+            gpu_free = _free_override(args.gpu_memory, "--gpu-memory",
+                                      config.tiers.gpu.capacity)
+            host_free = _free_override(args.host_memory, "--host-memory",
+                                       config.tiers.host.capacity)
+            plan = make_plan(config, gpu_free=gpu_free, host_free=host_free)
+    except TierUnavailableError as exc:
+        raise ConfigError(source, f"{exc}; pass --gpu-memory SIZE to plan for a GPU this "
+                                  "machine does not have") from None
     if args.json:
         print(json.dumps(plan.to_dict(), indent=2))
     else:
@@ -171,6 +181,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    _parser = argparse.ArgumentParser(prog="tiered-cache plan", description=__doc__.split("\n")[0])
-    add_arguments(_parser)
-    sys.exit(main(_parser.parse_args()))
+    from tiered_cache.tools.cli import main as cli_main
+
+    sys.exit(cli_main(["plan", *sys.argv[1:]]))

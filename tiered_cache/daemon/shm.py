@@ -1,0 +1,288 @@
+"""The shared host pool's memory: one memfd that the daemon creates and every client maps.
+
+Layout: block-major like `tiered_cache.storage.HostPool`: slot i is `[num_layers, 2, block_size,
+num_kv_heads, head_dim]` contiguous, and slots start on page boundaries (`slot_stride` is
+`slot_bytes` rounded up to a page), so a run of slots is one large copy, a slot's memory can be
+registered or released by whole pages, and no two slots share a page. A client maps it and gets
+the tensor view `[num_slots, L, 2, bs, H, D]` over the mapping itself (`torch.frombuffer`): KV is
+copied straight in and out of the shared pages, never through the socket or a staging buffer.
+
+memfd + SCM_RIGHTS, not a file in /dev/shm
+------------------------------------------
+- Nothing to find: a memfd has no name in any directory. Only a process the daemon hands the fd
+  to (over its socket, after the SO_PEERCRED allowlist) can map it; a file in /dev/shm can be
+  opened by anyone its mode admits, and its mode is one umask or chmod away from wrong.
+- Nothing to leave behind: the kernel frees a memfd when its last fd and mapping are gone. A
+  daemon killed with SIGKILL leaves no file for its successor to trip over (or, worse, to map
+  and serve stale KV from without its index); its memory lives on only while clients still map
+  it, and they drop it when they see the daemon go.
+- Sealed: the size is sealed (F_SEAL_SHRINK | F_SEAL_GROW, then F_SEAL_SEAL), so no client can
+  truncate the pool under the others' mappings (which would SIGBUS every process touching the
+  cut-off pages) or add seals of its own.
+- Read-only clients: `client_fd(writable=False)` reopens the memfd O_RDONLY, so that client can
+  only map it PROT_READ; the kernel, not the client, enforces it.
+
+The pages are allocated when the pool is created (`posix_fallocate`), so running out of memory
+is an error at start, never a SIGBUS at the first write of a client.
+
+NOTE: the pool is shared memory. Every client given a writable fd can write every slot, and
+every client given any fd can read every slot: the daemon's index decides which slots a client
+is told about, not which it can touch. Clients that must not see each other's KV (tenants that
+do not trust each other) need separate pools; a pool per tenant is one SharedPool each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import stat
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tiered_cache.daemon.protocol import Int, Str
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+# NOTE: torch is imported only when a tensor view is taken. The daemon that creates the pool
+# hands out its fd and never touches its bytes, so it starts without paying torch's import.
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
+"""The pool dtypes (tiered_cache.storage.TORCH_DTYPES's names) and their widths."""
+
+PAGE = mmap.PAGESIZE
+SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+CUDA_HOST_REGISTER_READ_ONLY = 8        # cudaHostRegisterReadOnly
+
+GEOMETRY_FIELDS = {
+    "num_slots": Int(1, 2**31 - 1), "num_layers": Int(1, 4096), "block_size": Int(1, 1 << 16),
+    "num_kv_heads": Int(1, 4096), "head_dim": Int(1, 1 << 16),
+    "dtype": Str(16, choices=tuple(DTYPE_BYTES)), "slot_stride": Int(PAGE, 2**40),
+}
+"""The protocol fields that describe a pool (for the reply of the op that hands out its fd)."""
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    num_slots: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        for name in ("num_slots", "num_layers", "block_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        from tiered_cache.storage import TORCH_DTYPES
+        return TORCH_DTYPES[self.dtype]
+
+    @property
+    def slot_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_slots, *self.slot_shape)
+
+    @property
+    def slot_bytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.slot_shape:
+            n *= d
+        return n
+
+    @property
+    def slot_stride(self) -> int:
+        """Bytes from one slot's start to the next: slot_bytes rounded up to a whole page."""
+        return -(-self.slot_bytes // PAGE) * PAGE
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_stride
+
+    def fields(self) -> dict[str, Any]:
+        """The geometry as protocol fields (GEOMETRY_FIELDS)."""
+        return {"num_slots": self.num_slots, "num_layers": self.num_layers,
+                "block_size": self.block_size, "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "dtype": self.dtype, "slot_stride": self.slot_stride}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> PoolGeometry:
+        geo = cls(fields["num_slots"], fields["num_layers"], fields["block_size"],
+                  fields["num_kv_heads"], fields["head_dim"], fields["dtype"])
+        if "slot_stride" in fields and fields["slot_stride"] != geo.slot_stride:
+            # The daemon's page size differs from ours: the two sides would disagree on where a
+            # slot starts, and read each other's KV at the wrong offsets.
+            raise ValueError(f"the daemon's slot stride {fields['slot_stride']} differs from "
+                             f"ours ({geo.slot_stride})")
+        return geo
+
+
+class SharedPool:
+    """A mapping of the pool, in the daemon (`create`) or a client (`attach`). `kv` is the
+    `[num_slots, L, 2, bs, H, D]` tensor over the shared pages."""
+
+    def __init__(self, fd: int | None, geometry: PoolGeometry, mm: mmap.mmap,
+                 writable: bool) -> None:
+        self.fd = fd
+        self.geometry = geometry
+        self.writable = writable
+        self._mmap: mmap.mmap | None = mm
+        self._kv: torch.Tensor | None = None
+        self.cuda_registered = False
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """The `[num_slots, L, 2, bs, H, D]` view over the shared pages (no copy)."""
+        if self._kv is None:
+            if self._mmap is None:
+                raise RuntimeError("the pool is closed")
+            self._kv = _view(self._mmap, self.geometry)
+        return self._kv
+
+    @classmethod
+    def create(cls, geometry: PoolGeometry, *, name: str = "host",
+               populate: bool = True) -> SharedPool:
+        """A new, zeroed pool in a sealed memfd (mode 0600, close-on-exec)."""
+        fd = os.memfd_create(f"tiered-cache-{name}",
+                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, geometry.nbytes)
+            if populate:
+                os.posix_fallocate(fd, 0, geometry.nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
+            mm = _map(fd, geometry.nbytes, writable=True)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.info("shared pool %r: %d slots of %d bytes (%d MiB) in a memfd", name,
+                 geometry.num_slots, geometry.slot_stride, geometry.nbytes >> 20)
+        return cls(fd, geometry, mm, writable=True)
+
+    @classmethod
+    def attach(cls, fd: int, geometry: PoolGeometry, *, writable: bool = True) -> SharedPool:
+        """Map a pool from an fd the daemon sent. Takes ownership of `fd` (closed here: the
+        mapping keeps the memory). Checks that the fd is a sealed file of the right size first:
+        mapping past its end would fault on first touch."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError("the pool's fd is not a regular file (memfd)")
+            if st.st_size != geometry.nbytes:
+                raise ValueError(f"the pool's file has {st.st_size:,} bytes, its geometry says "
+                                 f"{geometry.nbytes:,}")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if seals & SIZE_SEALS != SIZE_SEALS:
+                raise ValueError("the pool's file is not size-sealed: another process could "
+                                 "truncate it under this mapping")
+            mm = _map(fd, geometry.nbytes, writable=writable)
+        finally:
+            os.close(fd)
+        return cls(None, geometry, mm, writable=writable)
+
+    def client_fd(self, *, writable: bool = True) -> int:
+        """A new fd of the pool for one client (the caller sends and closes it). A read-only
+        one is a fresh O_RDONLY open of the memfd: its holder cannot map it writable."""
+        if self.fd is None:
+            raise RuntimeError("only the pool's creator hands out its fd")
+        if writable:
+            return os.dup(self.fd)
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def slots(self, start: int, stop: int) -> torch.Tensor:
+        return self.kv[start:stop]
+
+    # CUDA -------------------------------------------------------------------------------------
+
+    def register_cuda(self, flags: int = 0) -> bool:
+        """Page-lock the mapping with cudaHostRegister, so copies between it and a GPU are DMA
+        (and kernels can read it through its device-visible address). False, doing nothing,
+        when CUDA is not available."""
+        if self.cuda_registered:
+            return True
+        import torch
+        if not torch.cuda.is_available():
+            return False
+        if not self.writable:
+            flags |= CUDA_HOST_REGISTER_READ_ONLY
+        import torch
+        err = torch.cuda.cudart().cudaHostRegister(self.kv.data_ptr(), self.geometry.nbytes,
+                                                   flags)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of the shared pool ({self.geometry.nbytes:,} "
+                               f"bytes) failed: {err}")
+        self.cuda_registered = True
+        return True
+
+    def unregister_cuda(self) -> None:
+        if self.cuda_registered:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self.kv.data_ptr())
+            self.cuda_registered = False
+
+    # lifetime ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the fd and, once no tensor view of the pool is alive any more, the mapping.
+
+        NOTE: views taken from `kv` keep the mapping (and the shared memory) alive until they
+        are dropped; a client whose daemon is gone must drop them to give the memory back.
+        """
+        self.unregister_cuda()
+        self._kv = None
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                log.debug("shared pool views are still alive; the mapping goes with them")
+            self._mmap = None
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> SharedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _view(mm: mmap.mmap, geometry: PoolGeometry) -> torch.Tensor:
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():
+        # NOTE: torch warns that a read-only buffer gives a tensor it cannot protect;
+        # writing through a read-only pool's view faults (SIGSEGV) instead of corrupting.
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=geometry.nbytes)
+    typed = raw.view(geometry.torch_dtype)
+    if geometry.slot_stride == geometry.slot_bytes:
+        return typed.view(geometry.shape)
+    inner = torch.empty(geometry.slot_shape, device="meta").stride()
+    step = geometry.slot_stride // DTYPE_BYTES[geometry.dtype]
+    return typed.as_strided(geometry.shape, (step, *inner))
+
+
+def _map(fd: int, nbytes: int, *, writable: bool) -> mmap.mmap:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # Huge pages for shared memory where the kernel allows them (shmem_enabled=advise).
+        with contextlib.suppress(OSError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    return mm

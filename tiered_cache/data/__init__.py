@@ -1,0 +1,1 @@
+"""The data plane: pools per tier kind, copy handlers, attention calls."""
