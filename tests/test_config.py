@@ -48,7 +48,7 @@ def test_default_config():
     assert cfg.tiers.host.num_blocks == 1024 and cfg.tiers.host.memory == "pinned"
     assert (cfg.policy, cfg.write_policy, cfg.verify_tokens, cfg.storage) == (
         "lru", "write_back", True, "tensors")
-    assert cfg.metrics.http_port is None
+    assert cfg.metrics.http_port is None and cfg.metrics.http_addr == "127.0.0.1"
     assert cfg.bytes_per_token == 4 * 2 * 2 * 64 * 4
     assert cfg.block_bytes == cfg.bytes_per_token * 16
 
@@ -100,7 +100,8 @@ def test_to_dict_is_plain_and_block_size_resolved(monkeypatch):
 
 
 def test_import_does_not_pull_torch():
-    code = ("import sys; import tiered_cache.config, tiered_cache.sizing, tiered_cache.planner; "
+    code = ("import sys; import tiered_cache.config, tiered_cache.sizing, "
+            "tiered_cache.tools.planner; "
             "tiered_cache.config.CacheConfig.default(); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
@@ -418,3 +419,355 @@ def test_free_bytes_and_resolve_device():
     if not sizing._cuda_available():
         with pytest.raises(TierUnavailableError, match="CUDA is not available"):
             sizing.resolve_device("cuda")
+
+
+# -- issue 12: every input loads or raises ConfigError naming the key ---------------------------
+
+NUMERIC_KEYS = [
+    ("model", "num_layers"), ("model", "num_kv_heads"), ("model", "head_dim"),
+    ("model", "num_q_heads"), ("model", "num_params"),
+    ("tiers.gpu", "num_blocks"), ("tiers.gpu", "max_num_blocks"), ("tiers.gpu", "segment_blocks"),
+    ("tiers.gpu", "capacity"), ("tiers.host", "num_blocks"), ("tiers.host", "capacity"),
+    ("tiers.host", "max_num_blocks"), ("tiers.host", "segment_blocks"),
+    ("migrator", "high_watermark"), ("migrator", "low_watermark"), ("migrator", "num_workers"),
+    ("migrator", "batch_blocks"), ("migrator", "wait_timeout_s"), ("migrator", "max_retries"),
+    ("migrator", "promotion_chunk_bytes"), ("compactor", "threshold"),
+    ("compactor", "interval_s"), ("compactor", "max_moves_per_step"),
+    ("metrics", "http_port"), ("", "block_size"),
+]
+HUGE = [10**400, -(10**400), 10**5000, 1e308, float("inf"), float("-inf"), float("nan"),
+        "9" * 400 + "GiB", "1e400GiB"]
+
+
+def nested(section: str, key: str, value) -> dict:
+    """{"a": {"b": {key: value}}} for section "a.b"; a tier also gets its other size key unset."""
+    data: dict = {key: value}
+    if section.startswith("tiers.") and key in ("num_blocks", "capacity"):
+        data["num_blocks" if key == "capacity" else "capacity"] = None
+    for part in reversed(section.split(".") if section else []):
+        data = {part: data}
+    return data
+
+
+@pytest.mark.parametrize("section,key", NUMERIC_KEYS)
+@pytest.mark.parametrize("value", HUGE, ids=["1e400", "-1e400", "1e5000", "1e308", "inf", "-inf",
+                                             "nan", "400digitsGiB", "1e400GiB"])
+def test_huge_and_non_finite_numbers_name_the_key(section, key, value):
+    path = f"{section}.{key}" if section else key
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict(nested(section, key, value))
+    assert info.value.path == path
+    assert len(str(info.value)) < 300  # a 5000-digit int is not echoed back in full
+
+
+def test_upper_bounds_exact_messages():
+    cases = {
+        "model.num_layers: expected a positive integer at most 1,024, got 1025":
+            {"model": {"num_layers": 1025}},
+        "model.head_dim: expected a positive integer at most 4,096, got 8192":
+            {"model": {"head_dim": 8192}},
+        "model.num_params: expected a positive number at most 1e+15, got 1e+16":
+            {"model": {"num_params": 1e16}},
+        "tiers.gpu.num_blocks: expected a positive integer at most 2,147,483,647, got 2147483648":
+            {"tiers": {"gpu": {"num_blocks": 2**31}}},
+        "migrator.num_workers: expected a positive integer at most 256, got 257":
+            {"migrator": {"num_workers": 257}},
+        "migrator.wait_timeout_s: expected a positive number at most 86,400, got 1e+308":
+            {"migrator": {"wait_timeout_s": 1e308}},
+        "migrator.max_retries: expected a non-negative integer at most 100, got 101":
+            {"migrator": {"max_retries": 101}},
+        "compactor.interval_s: expected a positive number at most 3,600, got 3601":
+            {"compactor": {"interval_s": 3601}},
+        "migrator.high_watermark: expected a number in (0, 1], got <an integer of about 401 "
+        "digits>": {"migrator": {"high_watermark": 10**400}},
+        "tiers.gpu.capacity: expected a size of at most 1 PiB (1,125,899,906,842,624 bytes), "
+        "got '2PiB'": {"tiers": {"gpu": {"capacity": "2PiB"}}},
+    }
+    for message, data in cases.items():
+        assert error(data) == message
+    # the bounds themselves are accepted
+    cfg = CacheConfig.from_dict({"migrator": {"wait_timeout_s": 86400, "num_workers": 256,
+                                              "max_retries": 100},
+                                 "compactor": {"interval_s": 3600}})
+    assert cfg.migrator.wait_timeout_s == 86400.0 and cfg.compactor.interval_s == 3600.0
+
+
+def test_a_tier_holds_at_most_one_pib():
+    # each count is in range, but 2**31 - 1 blocks of 64 KiB are 128 TiB; of 5 MiB, 10 PiB
+    assert CacheConfig.from_dict({"tiers": {"host": {"num_blocks": 2**31 - 1}}})
+    big = {"model": {"num_layers": 80, "num_kv_heads": 8, "head_dim": 128, "dtype": "bfloat16"},
+           "tiers": {"host": {"num_blocks": 2**31 - 1}}}
+    assert error(big) == (
+        "tiers.host.num_blocks: 2,147,483,647 blocks of 5,242,880 bytes are 10.00 PiB, above "
+        "the 1 PiB a tier may hold")
+    big["tiers"] = {"gpu": {"num_blocks": 8, "max_num_blocks": 2**30}}
+    assert error(big).startswith("tiers.gpu.max_num_blocks: 1,073,741,824 blocks of ")
+
+
+def test_capacity_that_gives_too_many_blocks():
+    # 4-byte blocks: 1 PiB would be 2**48 slots, past the int32 slot ids of the kernels
+    cfg = CacheConfig.from_dict({"model": {"num_layers": 1, "num_kv_heads": 1, "head_dim": 1,
+                                           "dtype": "float16"},
+                                 "block_size": 1, "tiers": {"gpu": {"capacity": "1PiB"}}})
+    assert cfg.block_bytes == 4
+    with pytest.raises(ConfigError, match=r"^tiers\.gpu\.capacity: '1PiB' \(1,125,899,906,842,"
+                                          r"624 bytes\) is 281,474,976,710,656 blocks of 4 bytes, "
+                                          r"more than the 2,147,483,647 a tier may have"):
+        sizing.tier_num_blocks(cfg, "gpu")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("4.35GB", 4_350_000_000),  # exact: float arithmetic gives 4,349,999,999
+    ("0.1KB", 100),
+    ("1PiB", 1024**5), ("1PB", 1000**5),
+    ("0.0000000000009094947017729282379150390625TiB", 1),  # 2**-40 TiB: exactly one byte
+    ("0" * 400 + "1KiB", 1024),  # leading zeros are not digits of magnitude
+    (" 40GiB\t", 40 * 1024**3),
+    (1e15, 10**15),
+])
+def test_parse_size_exact(text, expected):
+    assert sizing.parse_size(text, "x") == ("bytes", expected)
+
+
+@pytest.mark.parametrize("text", [
+    "9" * 400 + "GiB", "1e400GiB", "1.5PiB", 10**400, 2.0**60, float("nan"), float("inf"),
+    "40GiB\n", "\n40GiB", "\x1c40GiB", "٤٠GiB", "40\u00a0GiB", "70%\n", "٧٠%", "9" * 400 + "%",
+    "1e3GiB", "40 G iB", b"40GiB", [40],
+])
+def test_parse_size_rejects_overflow_and_lookalikes(text):
+    with pytest.raises(ConfigError, match=r"^tiers\.gpu\.capacity: expected a"):
+        sizing.parse_size(text, "tiers.gpu.capacity")
+
+
+@pytest.mark.parametrize("spec,message", [
+    (":Foo", "expected 'pkg.module:Class'"),
+    (".rel:Foo", "expected 'pkg.module:Class'"),
+    ("pkg.:Foo", "expected 'pkg.module:Class'"),
+    ("pkg:", "expected 'pkg.module:Class'"),
+    ("a b:C", "expected 'pkg.module:Class'"),
+    ("pkg:Foo.Bar", "expected 'pkg.module:Class'"),
+    ("pkg:Foo:Bar", "expected 'pkg.module:Class'"),
+    ("class.mod:Foo", "expected 'pkg.module:Class'"),
+    ("tiered_cache.policies.lru:LRUPolicy\n", "expected 'pkg.module:Class'"),
+    ("tiered_cache.policies.base:CachePolicy",
+     "is abstract (it does not implement __len__, insert, remove, victims)"),
+    ("tiered_cache.policies.base:PriorityPolicy", "is abstract (it does not implement priority)"),
+    ("tiered_cache.policies:POLICIES", "is not a subclass of tiered_cache.policies.CachePolicy"),
+    ("tiered_cache.policies.lru:NoSuchPolicy", "cannot load policy"),
+    ("lru\n", "unknown policy 'lru\\n'"),
+])
+def test_malformed_policy_specs(spec, message):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"policy": spec})
+    assert info.value.path == "policy"
+    assert message in str(info.value)
+
+
+def test_policy_module_that_fails_or_needs_other_arguments(tmp_path, monkeypatch):
+    (tmp_path / "tc_user_policies.py").write_text(
+        "from tiered_cache.policies import LRUPolicy\n"
+        "class NeedsArgs(LRUPolicy):\n"
+        "    def __init__(self, capacity_blocks, oracle, **kw):\n"
+        "        super().__init__(capacity_blocks, **kw)\n"
+        "class Fine(LRUPolicy):\n"
+        "    pass\n")
+    (tmp_path / "tc_broken_policies.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert CacheConfig.from_dict({"policy": "tc_user_policies:Fine"}).policy == (
+        "tc_user_policies:Fine")
+    assert "cannot be built as NeedsArgs(capacity_blocks, block_size=..., " \
+           "cost_context_tokens=...)" in error({"policy": "tc_user_policies:NeedsArgs"})
+    assert error({"policy": "tc_broken_policies:X"}) == (
+        "policy: cannot load policy 'tc_broken_policies:X': importing 'tc_broken_policies' "
+        "raised RuntimeError: boom at import")
+
+
+@pytest.mark.parametrize("device", ["cpu\n", "auto\n", "cuda:0\n", " cpu", "CPU", "cuda:٣",
+                                    "cuda:01", "cuda:1000", "cuda:", "cuda:-1", "cuda0", ""])
+def test_bad_devices(device):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"tiers": {"gpu": {"device": device, "num_blocks": 4}}})
+    assert info.value.path == "tiers.gpu.device"
+    with pytest.raises(ConfigError):
+        sizing.resolve_device(device)
+
+
+def test_device_index_range_message():
+    assert error({"tiers": {"gpu": {"device": "cuda:1000", "num_blocks": 4}}}) == (
+        "tiers.gpu.device: expected one of 'auto', 'cpu', 'cuda' or 'cuda:N' with N in 0..999 "
+        "and no leading zeros, got 'cuda:1000'")
+    for ok in ("cuda:0", "cuda:7", "cuda:999", "cuda", "cpu", "auto"):
+        assert CacheConfig.from_dict({"tiers": {"gpu": {"device": ok, "num_blocks": 4}}})
+
+
+@pytest.mark.parametrize("key", ["adapter_id", "model.name"])
+@pytest.mark.parametrize("value,message", [
+    ("a\x00b", "expected printable characters"),
+    ("lora\n", "expected printable characters"),
+    ("a\tb", "expected printable characters"),
+    ("zero\u200bwidth", "expected printable characters"),
+    ("\ud800", "expected printable characters"),
+    ("nb\u00a0sp", "expected printable characters"),
+    (" lora", "expected no leading or trailing whitespace"),
+    ("x" * 257, "expected at most 256 characters, got 257"),
+    ("   ", "expected a non-empty string"),
+    ("", "expected a non-empty string"),
+    (b"lora", "expected a non-empty string"),
+])
+def test_namespace_ids_are_printable_and_bounded(key, value, message):
+    data = {"adapter_id": value} if key == "adapter_id" else {"model": {"name": value}}
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict(data)
+    assert info.value.path == key
+    assert message in str(info.value)
+
+
+def test_namespace_ids_accepted():
+    for value in ("my-lora/v1.2", "x" * 256, "日本語のアダプタ", "a b", "meta-llama/Llama-3-70B"):
+        assert CacheConfig.from_dict({"adapter_id": value}).adapter_id == value
+        assert CacheConfig.from_dict({"model": {"name": value}}).model.name == value
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0", "::", "::1", "fe80::1%eth0",
+                                  "2001:db8::1", "localhost", "metrics.svc.cluster.local",
+                                  "my-host", "a" * 63, "host1"])
+def test_http_addr_accepted(addr):
+    cfg = CacheConfig.from_dict({"metrics": {"http_port": 9400, "http_addr": addr}})
+    assert cfg.metrics.http_addr == addr
+    assert CacheConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("addr", ["", "127.0.0.1\n", " localhost", "localhost ", "1.2.3",
+                                  "999.1.1.1", "256.0.0.1", "-bad", "bad-", "a..b", ".a", "a.",
+                                  "host_name", "[::1]", "http://localhost", "a" * 64,
+                                  ".".join(["a" * 60] * 5), "exa mple", "ünïcode", None, 1,
+                                  2130706433, ["127.0.0.1"]])
+def test_http_addr_rejected(addr):
+    with pytest.raises(ConfigError) as info:
+        CacheConfig.from_dict({"metrics": {"http_addr": addr}})
+    assert info.value.path == "metrics.http_addr"
+    assert "expected an IP address ('127.0.0.1', '0.0.0.0', '::1') or a hostname" in str(
+        info.value)
+
+
+def test_http_addr_from_yaml():
+    cfg = CacheConfig.from_dict(load_yaml("metrics:\n  http_port: 9400\n  http_addr: 0.0.0.0\n"))
+    assert cfg.metrics.http_addr == "0.0.0.0"
+    assert CacheConfig().metrics.http_addr == "127.0.0.1"
+
+
+def test_unprintable_or_huge_keys_are_shown_short():
+    assert error({10**5000: 1}).startswith(
+        "<an integer of about 5001 digits>: unknown key; valid keys are ")
+    assert error({"pol\ncy": "lru"}).startswith("'pol\\ncy': unknown key")
+    msg = error({"x" * 1_000_000: 1})
+    assert msg.startswith("'xxxx") and len(msg) < 400
+    assert error({"": 1}).startswith("'': unknown key; valid keys are ")
+    assert error({"tiers": {"gpu.num_blocks": 1}}).startswith("tiers.'gpu.num_blocks': unknown")
+    msg = error({"policy": "x" * 5000 + ":A"})
+    assert msg.startswith("policy: cannot load policy 'xxx") and len(msg) < 400
+    msg = error({"model": {"name": ["y" * 1_000_000] * 1000}})
+    assert msg.startswith("model.name: expected a non-empty string, got [") and len(msg) < 400
+
+
+def test_self_referencing_values():
+    loop: list = []
+    loop.append(loop)
+    assert error({"policy": loop}).startswith("policy: expected a policy name")
+    data = load_yaml("a: &a [*a, *a]\n")
+    assert data["a"][0] is data["a"]
+    # reprlib stops at 3 levels, so a structure that contains itself prints finitely
+    assert error({"model": {"name": data["a"]}}) == (
+        "model.name: expected a non-empty string, got "
+        "[[[[...], [...]], [[...], [...]]], [[[...], [...]], [[...], [...]]]]")
+
+
+def test_from_yaml_bad_paths():
+    with pytest.raises(ConfigError, match=r"^config: expected a file path, got None$"):
+        CacheConfig.from_yaml(None)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        CacheConfig.from_yaml("con\0fig.yaml")
+
+
+# -- YAML text ----------------------------------------------------------------------------------
+
+
+def yaml_error(text) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_yaml(text, "c.yaml")
+    assert info.value.path == "c.yaml"
+    return str(info.value)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("1:30", "1:30"),           # YAML 1.1 sexagesimal would be 90
+    ("010", 10),                # YAML 1.1 octal would be 8
+    ("0o17", "0o17"),           # a string, as PyYAML's dumper writes it
+    ("0x1F", 31),
+    ("1_000", 1000),
+    ("-5", -5),
+    ("0b101", "0b101"),
+    ("2024-01-01", "2024-01-01"),  # no timestamps: a date is a string
+    ("2024-13-45", "2024-13-45"),  # PyYAML's timestamp constructor raises ValueError
+    ("=", "="),
+    ("<<", "<<"),
+    ("1e400", float("inf")),
+    ("yes", "yes"),
+    ("~", None),
+])
+def test_yaml_scalars(text, value):
+    assert load_yaml(f"a: {text}\n") == {"a": value}
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("a: !!int abc", "line 1, column 4: expected an integer, got 'abc'"),
+    ("a: !!int 1:30", "line 1, column 4: expected an integer, got '1:30'"),
+    ("a: !!bool abc", "line 1, column 4: expected true or false, got 'abc'"),
+    ("a: !!bool yes", "line 1, column 4: expected true or false, got 'yes'"),
+    ("a: !!float x", "line 1, column 4: expected a number, got 'x'"),
+    ("a: !!timestamp 2024-13-45", "line 1, column 4: !!timestamp is not a config value"),
+    ("a: !!map x", "line 1, column 4: expected a mapping node, but found scalar"),
+    ("a: !!set [1]", "line 1, column 4: expected a mapping node, but found sequence"),
+    ("a: !!python/object:os.system x", "could not determine a constructor"),
+    ("a: " + "1" * 5000, "line 1, column 4: integer of 5,000 digits (at most 4300)"),
+    ("a: [" + "[" * 100 + "]" * 101, "nesting deeper than 64 levels"),
+    ("a:\n" + "".join("  " * i + f"k{i}:\n" for i in range(1, 100)),
+     "nesting deeper than 64 levels"),
+    ("x: &x {a: 1}\ny:\n  <<: *x\n  b: 1\n  b: 2\n", "line 5, column 3: duplicate key 'b'"),
+    ("y:\n  <<: {a: 1, a: 2}\n", "line 2, column 14: duplicate key 'a'"),
+    ("a: 1\n1: 2\ntrue: 3\n", "line 3, column 1: duplicate key True"),
+    ("a: *nowhere", "found undefined alias 'nowhere'"),
+    ("a: 1\n---\nb: 2\n", "expected a single document"),
+    ("a: \x00", "invalid YAML"),
+    ("a: \ud800", "invalid YAML"),
+    ("a: b: c", "invalid YAML at line 1, column 5"),
+    (b"a: \xff\xfe\xfd", "invalid YAML"),
+])
+def test_yaml_errors_are_config_errors(text, problem):
+    assert problem in yaml_error(text)
+
+
+def test_yaml_merge_keys_and_float_tags():
+    text = ("base: &gpu {device: cpu, num_blocks: 8}\n"
+            "tiers:\n  gpu:\n    <<: *gpu\n    num_blocks: 16\n")
+    assert load_yaml(text)["tiers"] == {"gpu": {"device": "cpu", "num_blocks": 16}}
+    assert load_yaml("a: !!float 3\nb: !!float 1_0.5\nc: !!int 0x10\nd: !!str 3\n") == {
+        "a": 3.0, "b": 10.5, "c": 16, "d": "3"}
+
+
+def test_load_yaml_needs_text():
+    with pytest.raises(ConfigError, match=r"^c\.yaml: expected YAML text, got NoneType$"):
+        load_yaml(None, "c.yaml")
+
+
+def test_yaml_deep_nesting_from_a_deep_stack():
+    # 60 levels of YAML parse even when the caller is already deep in its own stack
+    text = "a: " + "[" * 60 + "]" * 60
+
+    def recurse(n):
+        return recurse(n - 1) if n else load_yaml(text)
+
+    limit = sys.getrecursionlimit()
+    assert recurse(limit - 300)
+    with pytest.raises(ConfigError):
+        recurse(limit - 60)

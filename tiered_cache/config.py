@@ -6,16 +6,21 @@ full key path whether the section came from a file or was built in Python:
     >>> CacheConfig.from_dict({"tiers": {"host": {"capacity": "lots"}}})
     ConfigError: tiers.host.capacity: expected a size like '64GiB' or '70%', got 'lots'
 
-Unknown keys are rejected with the closest valid key suggested. `docs/configuration.md` lists
-every key. This module imports no torch (only `block_size: auto` asks torch, lazily, for the L2
-size).
+Unknown keys are rejected with the closest valid key suggested. Every input, a mapping of
+anything or any YAML text, either loads or raises ConfigError: every number has an upper bound
+(a 400-digit value is an error naming its key, not an OverflowError later), every pattern is
+matched in full, and the YAML loader turns each malformed scalar, tag or nesting into an error
+with its line (tests/test_config_fuzz.py). `docs/configuration.md` lists every key and bound.
+This module imports no torch (only `block_size: auto` asks torch, lazily, for the L2 size).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import math
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,6 +31,7 @@ import yaml
 
 from tiered_cache import sizing
 from tiered_cache.errors import ConfigError
+from tiered_cache.sizing import MAX_NUM_BLOCKS, MAX_SIZE_BYTES, short_repr
 
 KV_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 """KV storage dtypes and their bytes per element."""
@@ -34,7 +40,30 @@ FP8_SCALE_BYTES = 4
 """fp8 KV keeps one float32 scale per (layer, K|V) per block."""
 
 DEVICES_HINT = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::\d+)?)$")
+
+# Upper bounds. Every number in the config has one, so that no value can overflow a float, a
+# C timeout, an int64 byte offset or an int32 slot id further down, and so that a typo of a few
+# extra digits is an error here instead of a crash (or a 10**400-thread pool) later. Each is far
+# above anything real; docs/configuration.md lists them.
+MAX_NUM_LAYERS = 1024
+MAX_NUM_HEADS = 4096
+"""For num_kv_heads and num_q_heads."""
+MAX_HEAD_DIM = 4096
+MAX_NUM_PARAMS = 1e15
+MAX_NAME_CHARS = 256
+"""model.name and adapter_id: both go into the block-hash namespace."""
+MAX_NUM_WORKERS = 256
+MAX_RETRIES = 100
+MAX_TIMEOUT_S = 86400.0
+"""migrator.wait_timeout_s: one day. threading's waits raise OverflowError past ~292 years."""
+MAX_INTERVAL_S = 3600.0
+MAX_COMPACT_THRESHOLD = 1e6
+MAX_YAML_DEPTH = 64
+"""Nesting of YAML collections. The config itself is 3 deep; the limit keeps PyYAML's recursive
+composer far from Python's recursion limit, whatever the caller's stack depth."""
+MAX_YAML_INT_DIGITS = 4300
+"""CPython's default int/str conversion limit: a longer YAML integer is an error at its line
+(converting it would raise ValueError, or take quadratic time with the limit lifted)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,24 +75,35 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite int or float. An int is never passed to math.isfinite (float conversion of a
+    400-digit int raises OverflowError); ints compare exactly with float bounds."""
+    if _is_int(v):
+        return True
+    return isinstance(v, float) and math.isfinite(v)
 
 
-def _positive_int(path: str, v: Any) -> int:
+def _positive_int(path: str, v: Any, hi: int) -> int:
     if not _is_int(v) or v < 1:
-        raise ConfigError(path, f"expected a positive integer, got {v!r}")
+        raise ConfigError(path, f"expected a positive integer, got {short_repr(v)}")
+    if v > hi:
+        raise ConfigError(path, f"expected a positive integer at most {hi:,}, got {short_repr(v)}")
     return v
 
 
-def _non_negative_int(path: str, v: Any) -> int:
+def _non_negative_int(path: str, v: Any, hi: int) -> int:
     if not _is_int(v) or v < 0:
-        raise ConfigError(path, f"expected a non-negative integer, got {v!r}")
+        raise ConfigError(path, f"expected a non-negative integer, got {short_repr(v)}")
+    if v > hi:
+        raise ConfigError(path, f"expected a non-negative integer at most {hi:,}, "
+                                f"got {short_repr(v)}")
     return v
 
 
-def _positive_number(path: str, v: Any) -> float:
+def _positive_number(path: str, v: Any, hi: float) -> float:
     if not _is_number(v) or v <= 0:
-        raise ConfigError(path, f"expected a positive number, got {v!r}")
+        raise ConfigError(path, f"expected a positive number, got {short_repr(v)}")
+    if v > hi:
+        raise ConfigError(path, f"expected a positive number at most {hi:,g}, got {short_repr(v)}")
     return float(v)
 
 
@@ -71,35 +111,86 @@ def _fraction(path: str, v: Any, *, upper_open: bool = False) -> float:
     ok = _is_number(v) and 0 < v and (v < 1 if upper_open else v <= 1)
     if not ok:
         interval = "(0, 1)" if upper_open else "(0, 1]"
-        raise ConfigError(path, f"expected a number in {interval}, got {v!r}")
+        raise ConfigError(path, f"expected a number in {interval}, got {short_repr(v)}")
     return float(v)
 
 
 def _bool(path: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise ConfigError(path, f"expected true or false, got {v!r}")
+        raise ConfigError(path, f"expected true or false, got {short_repr(v)}")
     return v
 
 
 def _choice(path: str, v: Any, choices: Any) -> str:
     if not isinstance(v, str) or v not in choices:
         listed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(path, f"expected one of {listed}, got {v!r}")
+        raise ConfigError(path, f"expected one of {listed}, got {short_repr(v)}")
     return v
 
 
-def _name(path: str, v: Any, *, optional: bool = False) -> str | None:
+def check_identifier(path: str, v: Any, *, optional: bool = False) -> str | None:
+    """Check a name that goes into the block-hash namespace (model.name, adapter_id): a string of
+    1..MAX_NAME_CHARS printable characters without leading or trailing whitespace. Raises
+    ConfigError(path, ...) otherwise.
+
+    NOTE: printable (str.isprintable) rules out control characters, line breaks, lone surrogates
+    and invisible format characters: two ids that print the same must be the same id, or a
+    tenant could not tell why its prefixes never hit. The cache should check a per-request
+    `open(adapter_id=...)` with this same function.
+    """
     if v is None and optional:
         return None
     if not isinstance(v, str) or not v.strip():
         what = "a non-empty string or null" if optional else "a non-empty string"
-        raise ConfigError(path, f"expected {what}, got {v!r}")
+        raise ConfigError(path, f"expected {what}, got {short_repr(v)}")
+    if len(v) > MAX_NAME_CHARS:
+        raise ConfigError(path, f"expected at most {MAX_NAME_CHARS} characters, got "
+                                f"{len(v):,}: {short_repr(v)}")
+    if not v.isprintable():
+        raise ConfigError(path, f"expected printable characters (no control, line-break or "
+                                f"format characters), got {short_repr(v)}")
+    if v != v.strip():
+        raise ConfigError(path, f"expected no leading or trailing whitespace, got {short_repr(v)}")
     return v
+
+
+_HOST_CHARS_RE = re.compile(r"[0-9A-Za-z.:%_-]{1,253}", re.ASCII)
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # RFC 1123: 1..63, no edge hyphen
+_HOSTNAME_RE = re.compile(rf"{_LABEL}(?:\.{_LABEL})*", re.ASCII)
+
+
+def _host(path: str, v: Any) -> str:
+    """An IPv4 or IPv6 address (IPv6 unbracketed, optionally with a %scope) or an RFC 1123
+    hostname. A name whose last label is all digits ('1.2.3', '999.1.1.1') is refused: the
+    resolver would read it as a (wrong) IPv4 address."""
+    hint = "expected an IP address ('127.0.0.1', '0.0.0.0', '::1') or a hostname"
+    if not isinstance(v, str) or not _HOST_CHARS_RE.fullmatch(v):
+        raise ConfigError(path, f"{hint}, got {short_repr(v)}")
+    try:
+        ipaddress.ip_address(v)
+        return v
+    except ValueError:
+        pass
+    if _HOSTNAME_RE.fullmatch(v) and not v.rsplit(".", 1)[-1].isdigit():
+        return v
+    raise ConfigError(path, f"{hint}, got {short_repr(v)}")
 
 
 def _size(path: str, v: Any) -> None:
     if v is not None:
         sizing.parse_size(v, path)
+
+
+_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,80}", re.ASCII)
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as it appears in an error path: a short word as is, anything else (an
+    empty string, one with a dot or a newline, a megabyte string, an int of 5000 digits) as a
+    short repr, so that the path stays one unambiguous line."""
+    if isinstance(key, str) and _PLAIN_KEY_RE.fullmatch(key):
+        return key
+    return short_repr(key)
 
 
 class _Section:
@@ -134,7 +225,7 @@ def _section_default(cls: type, name: str) -> Any:
 
 
 def _not_a_mapping(value: Any) -> str:
-    return f"expected a mapping of keys, got {type(value).__name__} {value!r}"
+    return f"expected a mapping of keys, got {type(value).__name__} {short_repr(value)}"
 
 
 def _from_mapping(cls: type, data: Any) -> Any:
@@ -150,9 +241,10 @@ def _from_mapping(cls: type, data: Any) -> Any:
     valid = [f.name for f in dataclasses.fields(cls) if f.init]
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if key not in valid:
-            path = cls._key(str(key))
-            close = difflib.get_close_matches(str(key), valid, n=1)
+        if not isinstance(key, str) or key not in valid:
+            path = cls._key(_key_text(key))
+            close = (difflib.get_close_matches(key, valid, n=1)
+                     if isinstance(key, str) and len(key) <= 80 else [])
             if close:
                 raise ConfigError(path, f"unknown key; did you mean {close[0]!r}?")
             listed = ", ".join(repr(k) for k in sorted(valid))
@@ -179,7 +271,7 @@ class ModelConfig(_Section):
     _PATH: ClassVar[str] = "model"
 
     name: str = "tiny-llama"
-    """Model id; part of the block-hash namespace."""
+    """Model id; part of the block-hash namespace: printable, at most MAX_NAME_CHARS."""
     num_layers: int = 4
     num_kv_heads: int = 2
     head_dim: int = 64
@@ -191,13 +283,13 @@ class ModelConfig(_Section):
     """Parameter count (e.g. 70.6e9), for cost models; optional."""
 
     def __post_init__(self) -> None:
-        _name(self._key("name"), self.name)
-        _positive_int(self._key("num_layers"), self.num_layers)
-        _positive_int(self._key("num_kv_heads"), self.num_kv_heads)
-        _positive_int(self._key("head_dim"), self.head_dim)
+        check_identifier(self._key("name"), self.name)
+        _positive_int(self._key("num_layers"), self.num_layers, MAX_NUM_LAYERS)
+        _positive_int(self._key("num_kv_heads"), self.num_kv_heads, MAX_NUM_HEADS)
+        _positive_int(self._key("head_dim"), self.head_dim, MAX_HEAD_DIM)
         if self.num_q_heads is None:
             self.num_q_heads = self.num_kv_heads
-        _positive_int(self._key("num_q_heads"), self.num_q_heads)
+        _positive_int(self._key("num_q_heads"), self.num_q_heads, MAX_NUM_HEADS)
         if self.num_q_heads % self.num_kv_heads:
             raise ConfigError(
                 self._key("num_q_heads"),
@@ -205,7 +297,8 @@ class ModelConfig(_Section):
                 f"got {self.num_q_heads}")
         _choice(self._key("dtype"), self.dtype, KV_DTYPES)
         if self.num_params is not None:
-            self.num_params = _positive_number(self._key("num_params"), self.num_params)
+            self.num_params = _positive_number(self._key("num_params"), self.num_params,
+                                               MAX_NUM_PARAMS)
 
     @property
     def dtype_size(self) -> int:
@@ -235,10 +328,10 @@ class _TierSize:
         _size(self._key("capacity"), self.capacity)
         if self.num_blocks is not None:
             check = _positive_int if min_blocks else _non_negative_int
-            check(self._key("num_blocks"), self.num_blocks)
+            check(self._key("num_blocks"), self.num_blocks, MAX_NUM_BLOCKS)
         for key in ("max_num_blocks", "segment_blocks"):
             if getattr(self, key) is not None:
-                _positive_int(self._key(key), getattr(self, key))
+                _positive_int(self._key(key), getattr(self, key), MAX_NUM_BLOCKS)
         if self.max_num_blocks is not None and self.num_blocks is not None and \
                 self.max_num_blocks < self.num_blocks:
             raise ConfigError(self._key("max_num_blocks"),
@@ -273,9 +366,14 @@ class GpuTierConfig(_Section, _TierSize):
     allocation. A device tier in CPU memory is always resizable."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
+        # fullmatch: re.match with `$` would accept "cpu\n" (`$` matches before a final newline)
+        if not isinstance(self.device, str) or not sizing.DEVICE_RE.fullmatch(self.device):
+            hint = DEVICES_HINT
+            if isinstance(self.device, str) and re.fullmatch(r"cuda:[0-9]+", self.device,
+                                                             re.ASCII):
+                hint += " with N in 0..999 and no leading zeros"
             raise ConfigError(self._key("device"),
-                              f"expected one of {DEVICES_HINT}, got {self.device!r}")
+                              f"expected one of {hint}, got {short_repr(self.device)}")
         _bool(self._key("resizable"), self.resizable)
         self._check_size(min_blocks=1)
 
@@ -343,11 +441,13 @@ class MigratorConfig(_Section):
             raise ConfigError(self._key("low_watermark"),
                               f"must be below high_watermark ({self.high_watermark}), "
                               f"got {self.low_watermark}")
-        _positive_int(self._key("num_workers"), self.num_workers)
-        _positive_int(self._key("batch_blocks"), self.batch_blocks)
-        self.wait_timeout_s = _positive_number(self._key("wait_timeout_s"), self.wait_timeout_s)
-        _non_negative_int(self._key("max_retries"), self.max_retries)
-        _non_negative_int(self._key("promotion_chunk_bytes"), self.promotion_chunk_bytes)
+        _positive_int(self._key("num_workers"), self.num_workers, MAX_NUM_WORKERS)
+        _positive_int(self._key("batch_blocks"), self.batch_blocks, MAX_NUM_BLOCKS)
+        self.wait_timeout_s = _positive_number(self._key("wait_timeout_s"), self.wait_timeout_s,
+                                               MAX_TIMEOUT_S)
+        _non_negative_int(self._key("max_retries"), self.max_retries, MAX_RETRIES)
+        _non_negative_int(self._key("promotion_chunk_bytes"), self.promotion_chunk_bytes,
+                          MAX_SIZE_BYTES)
 
 
 @dataclass
@@ -363,9 +463,11 @@ class CompactorConfig(_Section):
 
     def __post_init__(self) -> None:
         _bool(self._key("enabled"), self.enabled)
-        self.threshold = _positive_number(self._key("threshold"), self.threshold)
-        self.interval_s = _positive_number(self._key("interval_s"), self.interval_s)
-        _positive_int(self._key("max_moves_per_step"), self.max_moves_per_step)
+        self.threshold = _positive_number(self._key("threshold"), self.threshold,
+                                          MAX_COMPACT_THRESHOLD)
+        self.interval_s = _positive_number(self._key("interval_s"), self.interval_s,
+                                           MAX_INTERVAL_S)
+        _positive_int(self._key("max_moves_per_step"), self.max_moves_per_step, MAX_NUM_BLOCKS)
 
 
 @dataclass
@@ -389,12 +491,17 @@ class MetricsConfig(_Section):
 
     http_port: int | None = None
     """None: never start an HTTP server. Else the port of the Prometheus endpoint."""
+    http_addr: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds: an IP address or a hostname. Loopback unless
+    configured, so that metrics are not exposed to the network by default; '0.0.0.0' (or '::')
+    lets another container scrape them."""
 
     def __post_init__(self) -> None:
         p = self.http_port
         if p is not None and (not _is_int(p) or not 1 <= p <= 65535):
             raise ConfigError(self._key("http_port"),
-                              f"expected a port in 1..65535 or null, got {p!r}")
+                              f"expected a port in 1..65535 or null, got {short_repr(p)}")
+        _host(self._key("http_addr"), self.http_addr)
 
 
 WRITE_POLICIES = ("write_back", "write_through")
@@ -423,6 +530,7 @@ class CacheConfig(_Section):
     storage: str = "tensors"
     """tensors | none (metadata only: simulation, trace replay)."""
     adapter_id: str | None = None
+    """LoRA/adapter id; part of the block-hash namespace: printable, at most MAX_NAME_CHARS."""
     migrator: MigratorConfig = field(default_factory=MigratorConfig)
     compactor: CompactorConfig = field(default_factory=CompactorConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
@@ -432,26 +540,43 @@ class CacheConfig(_Section):
         self._nested("model")
         self._nested("tiers")
         self._resolve_block_size()
+        self._check_tier_bytes()
         from tiered_cache.policies import resolve
 
         resolve(self.policy, "policy")
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _bool("verify_tokens", self.verify_tokens)
         _choice("storage", self.storage, STORAGE_MODES)
-        _name("adapter_id", self.adapter_id, optional=True)
+        check_identifier("adapter_id", self.adapter_id, optional=True)
         for name in ("migrator", "compactor", "kernels", "metrics"):
             self._nested(name)
 
+    def _check_tier_bytes(self) -> None:
+        """A tier (or its resize ceiling, or one segment) holds at most MAX_SIZE_BYTES: each
+        count is bounded on its own, but 2**31 blocks of a large geometry would still be
+        2**78 bytes, past int64 in every offset computed from them."""
+        block = self.block_bytes
+        for name in ("gpu", "host"):
+            tier = getattr(self.tiers, name)
+            for key in ("num_blocks", "max_num_blocks", "segment_blocks"):
+                n = getattr(tier, key)
+                if n is not None and n * block > MAX_SIZE_BYTES:
+                    raise ConfigError(
+                        f"tiers.{name}.{key}",
+                        f"{n:,} blocks of {block:,} bytes are {sizing.format_bytes(n * block)}, "
+                        f"above the 1 PiB a tier may hold")
+
     def _resolve_block_size(self) -> None:
         bs = self.block_size
-        if bs == "auto":
+        if isinstance(bs, str) and bs == "auto":
             l2 = sizing.l2_cache_bytes(self.tiers.gpu.device)
             self.block_size = sizing.auto_block_size(l2, self.model.kv_hidden,
                                                      self.model.dtype_size)
             return
         if not _is_int(bs) or not 1 <= bs <= 4096 or bs & (bs - 1):
             raise ConfigError("block_size",
-                              f"expected a power of two in 1..4096 or 'auto', got {bs!r}")
+                              f"expected a power of two in 1..4096 or 'auto', "
+                              f"got {short_repr(bs)}")
 
     # -- derived sizes --------------------------------------------------------------------
 
@@ -480,12 +605,14 @@ class CacheConfig(_Section):
         """Load a YAML file. A missing file, unreadable file or bad YAML raises ConfigError
         naming the file. YAML is read with 1.2 scalars: only true/false are booleans (`yes` stays
         a string), and `70.6e9` is a float."""
+        if not isinstance(path, (str, os.PathLike)):
+            raise ConfigError("config", f"expected a file path, got {short_repr(path)}")
         path = Path(path)
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
             raise ConfigError(str(path), "no such config file") from None
-        except (OSError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path, UnicodeDecodeError
             reason = getattr(exc, "strerror", None) or str(exc)
             raise ConfigError(str(path), f"cannot read config file: {reason}") from None
         data = load_yaml(text, str(path))
@@ -510,49 +637,144 @@ class CacheConfig(_Section):
 # --------------------------------------------------------------------------------------------
 # YAML with 1.2 scalars
 
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader with YAML 1.2 booleans (true/false only) and floats (`1e9`, `70.6e9`), and an
-    error on duplicate keys."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) or key is None:
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _FLOAT_TAG = "tag:yaml.org,2002:float"
+_INT_TAG = "tag:yaml.org,2002:int"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+_TIMESTAMP_TAG = "tag:yaml.org,2002:timestamp"
+_VALUE_TAG = "tag:yaml.org,2002:value"
+
+# Every pattern ends in \Z, not $: `$` also matches before a final newline. ASCII digits only.
+_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)\Z")
+_FLOAT_RE = re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
+                          |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+                          |[-+]?\.(?:inf|Inf|INF)
+                          |\.(?:nan|NaN|NAN))\Z""", re.X | re.ASCII)
+# Integers: decimal (with `_` digit separators, as PyYAML has always read them) and 0x hex, the
+# forms YAML 1.1 and 1.2 agree on. Not 1.1's sexagesimal (`1:30` is 90) or C octal (`010` is 8);
+# not 1.2's `0o17` either, which PyYAML's (1.1) dumper writes unquoted for the *string* "0o17".
+_INT_RE = re.compile(r"^(?:[-+]?[0-9][0-9_]*|0x[0-9a-fA-F]+)\Z", re.ASCII)
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader with YAML 1.2 booleans (true/false only), floats (`1e9`, `70.6e9`) and ints
+    (decimal or 0x; no `1:30` = 90, no `010` = 8); dates stay strings; an error on duplicate
+    keys; merge keys (`<<`) work; nesting is bounded (MAX_YAML_DEPTH). Every malformed scalar is
+    a YAML error with its line and column: PyYAML's own constructors let explicit tags raise
+    ValueError (`!!int abc`, `!!timestamp 2024-13-45`), KeyError (`!!bool abc`) or
+    AttributeError."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nesting deeper than {MAX_YAML_DEPTH} levels",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Duplicates are checked here, on the keys written in this mapping (merged keys may be
+        # overridden: that is what `<<` is for), since every mapping, including one merged
+        # inline, passes through here before it is flattened.
+        seen: set = set()
+        for key_node, _ in node.value:
+            if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+                continue  # non-scalar keys are unhashable: construct_mapping refuses them
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {short_repr(key)}", key_node.start_mark)
+            seen.add(key)
+        super().flatten_mapping(node)
+
+
+def _scalar_error(node: yaml.Node, what: str, value: str) -> yaml.YAMLError:
+    return yaml.constructor.ConstructorError(
+        None, None, f"expected {what}, got {short_repr(value)}", node.start_mark)
+
+
+def _construct_bool(loader: _Loader, node: yaml.Node) -> bool:
+    value = loader.construct_scalar(node)
+    if not _BOOL_RE.match(value):
+        raise _scalar_error(node, "true or false", value)
+    return value.lower() == "true"
+
+
+def _construct_int(loader: _Loader, node: yaml.Node) -> int:
+    value = loader.construct_scalar(node)
+    if not _INT_RE.match(value):
+        raise _scalar_error(node, "an integer", value)
+    digits = value.replace("_", "")
+    if len(digits) > MAX_YAML_INT_DIGITS:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"integer of {len(digits):,} digits (at most {MAX_YAML_INT_DIGITS})",
+            node.start_mark)
+    if digits.startswith("0x"):
+        return int(digits[2:], 16)
+    return int(digits, 10)
+
+
+def _construct_float(loader: _Loader, node: yaml.Node) -> float:
+    value = loader.construct_scalar(node)
+    if _INT_RE.match(value) and not value.startswith("0x"):
+        return float(value.replace("_", ""))  # `!!float 3`
+    if not _FLOAT_RE.match(value):
+        raise _scalar_error(node, "a number", value)
+    lowered = value.lower()
+    if lowered.endswith(".inf"):
+        return -math.inf if lowered.startswith("-") else math.inf
+    if lowered == ".nan":
+        return math.nan
+    return float(value.replace("_", ""))
+
+
+def _construct_timestamp(loader: _Loader, node: yaml.Node) -> Any:
+    raise yaml.constructor.ConstructorError(
+        None, None, "!!timestamp is not a config value (write the date as a string)",
+        node.start_mark)
+
+
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (_BOOL_TAG, _FLOAT_TAG)]
+    first: [(tag, rx) for tag, rx in resolvers
+            if tag not in (_BOOL_TAG, _FLOAT_TAG, _INT_TAG, _TIMESTAMP_TAG, _VALUE_TAG)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
-_Loader.add_implicit_resolver(
-    _BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-_Loader.add_implicit_resolver(
-    _FLOAT_TAG,
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
-                  |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
-                  |[-+]?\.(?:inf|Inf|INF)
-                  |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+_Loader.add_implicit_resolver(_BOOL_TAG, _BOOL_RE, list("tTfF"))
+_Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+_Loader.add_implicit_resolver(_INT_TAG, _INT_RE, list("-+0123456789"))
+_Loader.add_constructor(_BOOL_TAG, _construct_bool)
+_Loader.add_constructor(_INT_TAG, _construct_int)
+_Loader.add_constructor(_FLOAT_TAG, _construct_float)
+_Loader.add_constructor(_TIMESTAMP_TAG, _construct_timestamp)
+# `<<` outside a key (`name: <<`) is just the string; as a key, flatten_mapping has removed it.
+_Loader.add_constructor(_MERGE_TAG, yaml.SafeLoader.construct_yaml_str)
 
 
-def load_yaml(text: str, source: str = "<string>") -> Any:
-    """Parse YAML text with the config loader; syntax errors raise ConfigError(source, ...)."""
+def load_yaml(text: str | bytes, source: str = "<string>") -> Any:
+    """Parse YAML text with the config loader; any malformed input raises
+    ConfigError(source, "invalid YAML at line L, column C: ...")."""
+    if not isinstance(text, (str, bytes)):
+        raise ConfigError(source, f"expected YAML text, got {type(text).__name__}")
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
+        # context first: "expected a single document in the stream, but found another document"
+        parts = [getattr(exc, "context", None), getattr(exc, "problem", None)]
+        problem = ", ".join(p for p in parts if p) or str(exc)
         raise ConfigError(source, f"invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        # NOTE: nesting is bounded in compose_node; this is for a caller already deep in its
+        # own stack, where even MAX_YAML_DEPTH levels do not fit.
+        raise ConfigError(source, "invalid YAML: nested too deeply to parse here") from None
 
 
 # The content of configs/default.yaml, embedded so that CacheConfig.default() works from a wheel.
@@ -613,4 +835,5 @@ kernels:
 
 metrics:
   http_port: null         # null: never start an HTTP server; else the Prometheus port
+  http_addr: 127.0.0.1    # address the endpoint binds; 0.0.0.0 (or "::") to serve the network
 """

@@ -8,8 +8,10 @@ Pure Python at import time: torch is imported lazily inside the functions that a
 from __future__ import annotations
 
 import re
+import reprlib
+from decimal import Decimal, localcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tiered_cache.errors import ConfigError, TierUnavailableError
 
@@ -20,15 +22,30 @@ KiB = 1024
 MiB = 1024**2
 GiB = 1024**3
 TiB = 1024**4
+PiB = 1024**5
 
 # Binary units are powers of 1024, decimal units powers of 1000 (as in IEC 80000-13).
 _UNITS = {
     "": 1, "b": 1,
-    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB,
-    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": KiB, "mib": MiB, "gib": GiB, "tib": TiB, "pib": PiB,
+    "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4, "pb": 1000**5,
 }
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_PCT_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*%\s*$")
+
+MAX_SIZE_BYTES = PiB
+"""Largest size anywhere in the config (a capacity, a tier, a byte count): 1 PiB. Far above any
+machine, and it keeps every byte offset computed from it (times a block count) inside int64."""
+
+MAX_NUM_BLOCKS = 2**31 - 1
+"""Most slots one tier may have: block tables and slot ids are int32 in the kernels."""
+
+# ASCII digits and blanks only: `\d` and `\s` would also take Arabic-Indic digits, which float()
+# accepts, and form feeds or a trailing newline. Every pattern is applied with fullmatch.
+_NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_SIZE_RE = re.compile(rf"[ \t]*{_NUMBER}[ \t]*([A-Za-z]*)[ \t]*", re.ASCII)
+_PCT_RE = re.compile(rf"[ \t]*{_NUMBER}[ \t]*%[ \t]*", re.ASCII)
+# Significant digits before the point past which a size is certainly above MAX_SIZE_BYTES:
+# checked before any arithmetic, so that a 400-digit size costs nothing and cannot overflow.
+_MAX_SIZE_DIGITS = len(str(MAX_SIZE_BYTES))
 
 SIZE_HINT = "expected a size like '64GiB' or '70%'"
 
@@ -37,7 +54,45 @@ AUTO_BLOCK_MIN = 8
 AUTO_BLOCK_MAX = 256
 DEFAULT_L2_BYTES = 1 * MiB
 _SYS_L2 = Path("/sys/devices/system/cpu/cpu0/cache/index2/size")
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda(?::\d+)?)$")
+DEVICE_RE = re.compile(r"auto|cpu|cuda(?::(?:0|[1-9][0-9]{0,2}))?", re.ASCII)
+"""Valid `tiers.gpu.device` values (use with fullmatch): N of `cuda:N` is 0..999, no leading
+zeros, so that one device has one spelling."""
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib with bounds sized for one line of an error message. Also safe for the values a
+    fuzzer finds: an int too long for `repr` (over 4300 digits raises ValueError), containers that
+    contain themselves or nest deeply, or share one list a billion ways through YAML aliases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxother = 80
+        self.maxlong = 40
+        self.maxlist = self.maxtuple = self.maxdict = 6
+        self.maxset = self.maxfrozenset = self.maxdeque = self.maxarray = 6
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:
+            return f"<an integer of about {int(x.bit_length() * 0.30103) + 1} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def short_repr(value: Any) -> str:
+    """A bounded repr for error messages: a bad value is echoed back, but a megabyte string, a
+    1000-digit int or a self-referencing list must not become a megabyte message or a crash."""
+    try:
+        text = _SHORT_REPR.repr(value)
+    except Exception:  # noqa: BLE001 - a hostile __repr__ must not replace the real error
+        return f"<{type(value).__name__} object>"
+    # reprlib bounds each level, not the total: 6 items of 6 items of 80-character strings
+    return text if len(text) <= _SHORT_REPR_MAX else text[:_SHORT_REPR_MAX - 3] + "..."
+
+
+_SHORT_REPR_MAX = 160
 
 
 def parse_size(text: str | int | float, path: str) -> tuple[str, float]:
@@ -45,32 +100,50 @@ def parse_size(text: str | int | float, path: str) -> tuple[str, float]:
 
     Returns `("bytes", n)` with `n` an int for an absolute size (`"40GiB"`, `"512 MiB"`,
     `"1.5GB"`, `"100KB"`, `"4096B"`, `"4096"`, `4096`), or `("fraction", f)` with `0 < f <= 1`
-    for a percentage of free memory (`"70%"` -> 0.7). Units are case-insensitive. Raises
-    ConfigError(path, ...) for anything else.
+    for a percentage of free memory (`"70%"` -> 0.7). Units are case-insensitive. A size above
+    MAX_SIZE_BYTES (1 PiB) is refused. Raises ConfigError(path, ...) for anything else.
+
+    Byte counts are computed exactly (Decimal, not float): `"4.35GB"` is 4,350,000,000 bytes, not
+    one less, and a 400-digit number is refused by its length before it reaches float() (where
+    it would become inf and then OverflowError).
     """
     if isinstance(text, bool):
-        raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+        raise ConfigError(path, f"{SIZE_HINT}, got {short_repr(text)}")
     if isinstance(text, (int, float)):
-        if not (text >= 0 and text != float("inf")):  # also rejects NaN
-            raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+        # `not (x >= 0)` also rejects NaN; an int is compared exactly, never converted to float.
+        if not text >= 0 or text == float("inf"):
+            raise ConfigError(path, f"{SIZE_HINT}, got {short_repr(text)}")
+        if text > MAX_SIZE_BYTES:
+            raise ConfigError(path, f"{_TOO_BIG}, got {short_repr(text)}")
         return "bytes", int(text)
     if not isinstance(text, str):
-        raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
-    m = _PCT_RE.match(text)
+        raise ConfigError(path, f"{SIZE_HINT}, got {short_repr(text)}")
+    m = _PCT_RE.fullmatch(text)
     if m:
-        pct = float(m.group(1))
+        pct = float(m.group(1))  # a huge digit string becomes inf here, refused just below
         if not 0 < pct <= 100:
-            raise ConfigError(path, f"expected a percentage in (0%, 100%], got {text!r}")
+            raise ConfigError(path, f"expected a percentage in (0%, 100%], got {short_repr(text)}")
         return "fraction", pct / 100.0
-    m = _SIZE_RE.match(text)
+    m = _SIZE_RE.fullmatch(text)
     if m and m.group(2).lower() in _UNITS:
-        return "bytes", int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise ConfigError(path, f"{SIZE_HINT}, got {text!r}")
+        number = m.group(1)
+        if len(number.partition(".")[0].lstrip("0")) > _MAX_SIZE_DIGITS:
+            raise ConfigError(path, f"{_TOO_BIG}, got {short_repr(text)}")
+        with localcontext() as ctx:
+            ctx.prec = len(number) + 30  # exact: every digit of the number times the unit
+            n = Decimal(number) * _UNITS[m.group(2).lower()]
+        if n > MAX_SIZE_BYTES:
+            raise ConfigError(path, f"{_TOO_BIG}, got {short_repr(text)}")
+        return "bytes", int(n)  # rounds a fractional byte count down
+    raise ConfigError(path, f"{SIZE_HINT}, got {short_repr(text)}")
+
+
+_TOO_BIG = f"expected a size of at most 1 PiB ({MAX_SIZE_BYTES:,} bytes)"
 
 
 def format_bytes(n: float) -> str:
     """`5242880` -> `'5.00 MiB'` (binary units)."""
-    for unit, scale in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    for unit, scale in (("PiB", PiB), ("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
@@ -87,9 +160,10 @@ def _cuda_available() -> bool:
 def resolve_device(device: str) -> str:
     """`"auto"` -> `"cuda"` when CUDA is available, else `"cpu"`. `"cuda"`/`"cuda:N"` without
     CUDA (or with no device N) raises TierUnavailableError."""
-    if not isinstance(device, str) or not _DEVICE_RE.match(device):
+    if not isinstance(device, str) or not DEVICE_RE.fullmatch(device):
         raise ConfigError("tiers.gpu.device",
-                          f"expected one of 'auto', 'cpu', 'cuda', 'cuda:N', got {device!r}")
+                          f"expected one of 'auto', 'cpu', 'cuda', 'cuda:N', "
+                          f"got {short_repr(device)}")
     if device == "cpu":
         return "cpu"
     if device == "auto":
@@ -128,7 +202,8 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> 
     """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or, for a
     `"%"` capacity, fraction * free // block_bytes. `free` defaults to the free memory of the
     tier's device (gpu: its resolved device; host: `"cpu"`). At least one block for gpu; host may
-    get 0 (no host tier)."""
+    get 0 (no host tier). More than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
+    or a share of a large machine can exceed it with small blocks."""
     if tier not in ("gpu", "host"):
         raise ValueError(f"unknown tier {tier!r}; expected 'gpu' or 'host'")
     tcfg = config.tiers.gpu if tier == "gpu" else config.tiers.host
@@ -147,12 +222,15 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> 
         what = f"{tcfg.capacity!r} of {free:,} free bytes"
     if tier == "gpu" and n < 1:
         raise ConfigError(path, f"{what} holds no block of {block:,} bytes")
+    if n > MAX_NUM_BLOCKS:
+        raise ConfigError(path, f"{what} is {n:,} blocks of {block:,} bytes, more than the "
+                                f"{MAX_NUM_BLOCKS:,} a tier may have (use larger blocks)")
     return n
 
 
 def _parse_sys_size(text: str) -> int | None:
     """`"1024K"` -> 1048576, `"2M"` -> 2097152, `"512"` -> 512 (sysfs cache sizes)."""
-    m = re.match(r"^\s*(\d+)\s*([KMG]?)i?B?\s*$", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]{1,15})\s*([KMG]?)i?B?\s*", text, re.IGNORECASE | re.ASCII)
     if not m:
         return None
     return int(m.group(1)) * {"": 1, "K": KiB, "M": MiB, "G": GiB}[m.group(2).upper()]
