@@ -2,7 +2,7 @@
 
 Blocks have the 70B geometry (8 KV heads, head_dim 128, 16-token blocks, bfloat16) with 8 layers
 instead of 80, so one block is 512 KiB (a 70B block is 5 MiB) and a run moves a few hundred MiB.
-They sit in page-aligned host memory, as the host tier's slots do (tiered_cache.segments).
+They sit in page-aligned host memory, as the host tier's slots do (tiered_cache.data.segments).
 
 - write: `DiskPool.write` of every block, in batches (each durable on return: payloads, then
   headers, each fdatasync'd), vs the same bytes written with `os.pwrite` to one file in the same

@@ -49,9 +49,6 @@ from tiered_cache.errors import (
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
 from tiered_cache.sizing import resolve_device, tier_num_blocks
 
-_MAX_ADAPTER_ID = 256
-
-
 class TieredKVCache:
     """A KV cache whose blocks live in a device tier and slower tiers, shared across requests.
 
@@ -79,7 +76,7 @@ class TieredKVCache:
         self.has_storage = config.storage == "tensors"
         self.device = resolve_device(config.tiers.gpu.device) if self.has_storage else "cpu"
         self.block_bytes = config.block_bytes
-        self.allow_non_finite = bool(getattr(config, "allow_non_finite_kv", False))
+        self.allow_non_finite = config.allow_non_finite_kv
         self.hasher = BlockHasher(
             Namespace(model.name, model.dtype, model.num_layers, model.num_kv_heads,
                       model.head_dim, self.block_size, config.adapter_id), hash_fn)
@@ -121,8 +118,7 @@ class TieredKVCache:
         if config.metrics.http_port is not None:
             from tiered_cache.metrics import serve_metrics
             self._metrics_server = serve_metrics(
-                registry, config.metrics.http_port,
-                getattr(config.metrics, "http_addr", "127.0.0.1"))
+                registry, config.metrics.http_port, config.metrics.http_addr)
         # Background data plane: only meaningful when there is data to move.
         if self.has_storage and config.migrator.enabled:
             self.migrator = Migrator(self.index, self.executor, config.migrator, self.health)
@@ -629,13 +625,15 @@ def _check_salt(salt: object) -> None:
 
 
 def _check_adapter(adapter_id: object) -> None:
+    """A per-request adapter id goes into the hash namespace: the same rules as the config's."""
     if adapter_id is None:
         return
-    if not isinstance(adapter_id, str) or not adapter_id.strip():
-        raise TokenError(f"adapter_id: expected a non-empty str or None, got {adapter_id!r}")
-    if len(adapter_id) > _MAX_ADAPTER_ID or not adapter_id.isprintable():
-        raise TokenError(f"adapter_id: expected at most {_MAX_ADAPTER_ID} printable "
-                         f"characters, got {adapter_id[:40]!r}")
+    from tiered_cache.config import check_identifier
+
+    try:
+        check_identifier("adapter_id", adapter_id)
+    except ConfigError as exc:
+        raise TokenError(str(exc)) from None
 
 
 def _warm_up(pools: list) -> None:

@@ -527,6 +527,9 @@ class CacheConfig(_Section):
     """Eviction policy: a registered name (tiered_cache.policies.POLICIES) or 'pkg.module:Class'."""
     write_policy: str = "write_back"
     verify_tokens: bool = True
+    allow_non_finite_kv: bool = False
+    """Store KV containing NaN or inf. Off: write() refuses it (KVValueError), at the cost of a
+    pass over the KV (a device sync on a GPU). FP8 storage refuses it either way."""
     storage: str = "tensors"
     """tensors | none (metadata only: simulation, trace replay)."""
     adapter_id: str | None = None
@@ -546,6 +549,7 @@ class CacheConfig(_Section):
         resolve(self.policy, "policy")
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _bool("verify_tokens", self.verify_tokens)
+        _bool("allow_non_finite_kv", self.allow_non_finite_kv)
         _choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
         for name in ("migrator", "compactor", "kernels", "metrics"):
@@ -810,6 +814,7 @@ tiers:
 policy: lru               # eviction policy: a registered name or "pkg.module:Class"
 write_policy: write_back  # write_back: copy to host on eviction | write_through: as soon as full
 verify_tokens: true       # compare stored token ids on a hash match
+allow_non_finite_kv: false  # store KV with NaN/inf (off: write() refuses it; costs a pass)
 storage: tensors          # tensors | none (metadata only: simulation and trace replay)
 adapter_id: null          # LoRA/adapter id; part of the hash namespace
 

@@ -127,5 +127,5 @@ def serve_metrics(registry: CollectorRegistry, port: int, addr: str = "127.0.0.1
         return start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:
         raise ConfigError("metrics.http_port",
-                          f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}") \
-            from None
+                          f"cannot serve metrics on {addr}:{port} (metrics.http_addr:port): "
+                          f"{exc.strerror or exc}") from None

@@ -1,6 +1,6 @@
 """The shared host pool's memory: one memfd that the daemon creates and every client maps.
 
-Layout: block-major like `tiered_cache.storage.HostPool`: slot i is `[num_layers, 2, block_size,
+Layout: block-major like `tiered_cache.data.pools.HostPool`: slot i is `[num_layers, 2, block_size,
 num_kv_heads, head_dim]` contiguous, and slots start on page boundaries (`slot_stride` is
 `slot_bytes` rounded up to a page), so a run of slots is one large copy, a slot's memory can be
 registered or released by whole pages, and no two slots share a page. A client maps it and gets
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # NOTE: torch is imported only when a tensor view is taken. The daemon that creates the pool
 # hands out its fd and never touches its bytes, so it starts without paying torch's import.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
-"""The pool dtypes (tiered_cache.storage.TORCH_DTYPES's names) and their widths."""
+"""The pool dtypes (tiered_cache.data.pools.TORCH_DTYPES's names) and their widths."""
 
 PAGE = mmap.PAGESIZE
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -85,7 +85,7 @@ class PoolGeometry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        from tiered_cache.storage import TORCH_DTYPES
+        from tiered_cache.data.pools import TORCH_DTYPES
         return TORCH_DTYPES[self.dtype]
 
     @property

@@ -89,10 +89,6 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
         raise ConfigError(path, f"{short_repr(spec)} is not a subclass of "
                                 "tiered_cache.policies.CachePolicy")
     missing = ", ".join(sorted(getattr(cls, "__abstractmethods__", ())))
-    if not missing and issubclass(cls, PriorityPolicy) and cls.priority is PriorityPolicy.priority:
-        # PriorityPolicy.priority raises NotImplementedError rather than being an abstractmethod,
-        # so inspect.isabstract misses it: the first eviction would raise instead.
-        missing = "priority"
     if missing or inspect.isabstract(cls):
         raise ConfigError(path, f"{short_repr(spec)} is abstract (it does not implement "
                                 f"{missing}); name a concrete subclass")

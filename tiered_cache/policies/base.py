@@ -116,8 +116,9 @@ class PriorityPolicy(CachePolicy):
         self._live: dict[int, int] = {}   # block id -> entry number of its live entry
         self._seq = itertools.count()
 
+    @abstractmethod
     def priority(self, b: int) -> float:
-        raise NotImplementedError
+        """The block's eviction priority when it becomes a candidate: lowest goes first."""
 
     def insert(self, b: int) -> None:
         n = next(self._seq)
