@@ -49,6 +49,7 @@ from tiered_cache.errors import (
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
 from tiered_cache.sizing import resolve_device, tier_num_blocks
 
+
 class TieredKVCache:
     """A KV cache whose blocks live in a device tier and slower tiers, shared across requests.
 
