@@ -65,13 +65,22 @@ class Migrator:
         self._busy = 0
         self._idle = threading.Condition()
         self._stop = threading.Event()
-        self._wake = threading.Event()
+        self._wakes = [threading.Event() for _ in index.tiers]      # one per demoter
         gpu = executor.pools[0] if executor.pools else None
         self._cuda = gpu is not None and gpu.kv.is_cuda
         self._threads = [threading.Thread(target=self._work, name=f"tc-migrator-{i}",
                                           daemon=True) for i in range(config.num_workers)]
-        self._threads.append(threading.Thread(target=self._watch, name="tc-demoter",
-                                              daemon=True))
+        # One demoter per tier with a tier below it (device -> host, host -> disk): a slow
+        # disk write never holds up the device tier's demotion.
+        self._lowering = [False] * len(index.tiers)
+        self._paused = [0.0] * len(index.tiers)     # demotion out of tier i waits until then
+        for src in range(len(index.tiers) - 1):
+            name = "tc-demoter" if src == 0 else f"tc-demoter-{index.tiers[src].name}"
+            self._threads.append(threading.Thread(target=self._watch, args=(src,), name=name,
+                                                  daemon=True))
+        if any(t.persistent for t in index.tiers):
+            self._threads.append(threading.Thread(target=self._erase, name="tc-eraser",
+                                                  daemon=True))
         for t in self._threads:
             self.health.watch(t)
             t.start()
@@ -89,8 +98,9 @@ class Migrator:
             self._submit(_Job(1, next(self._order), "write_through", plan))
 
     def poke(self) -> None:
-        """Ask the demotion thread to look at the watermark now."""
-        self._wake.set()
+        """Ask the demotion threads to look at their watermarks now."""
+        for wake in self._wakes:
+            wake.set()
 
     # ------------------------------------------------------------ lifecycle
     def drain(self, timeout: float = 30.0) -> bool:
@@ -98,13 +108,33 @@ class Migrator:
         with self._idle:
             return self._idle.wait_for(lambda: self._busy == 0 and self._jobs.empty(), timeout)
 
+    def settle(self, timeout: float = 30.0) -> bool:
+        """Wait until no copy is queued or running, no demoter is lowering a tier and no
+        record waits to be erased (tests, benchmarks, shutdown). True if it settled."""
+        deadline = time.monotonic() + timeout
+        idx = self.index
+        calm = 0
+        while time.monotonic() < deadline:
+            self.poke()
+            if not self.drain(max(0.0, deadline - time.monotonic())):
+                return False
+            time.sleep(0.01)
+            with idx.locked():
+                quiet = (not any(self._lowering) and self._busy == 0
+                         and not any(t.erasing for t in idx.tiers)
+                         and all(t.reserved == 0 and t.busy == 0 for t in idx.tiers))
+            calm = calm + 1 if quiet else 0
+            if calm >= 3:
+                return True
+        return False
+
     def stop(self) -> None:
         """Finish the queued copies, then stop every thread. Idempotent."""
         if self._stop.is_set():
             return
         self.drain()
         self._stop.set()
-        self._wake.set()
+        self.poke()
         for _ in range(self.config.num_workers):
             self._jobs.put(_Job(99, next(self._order), "stop", []))
         for t in self._threads:
@@ -164,17 +194,23 @@ class Migrator:
     def _promote(self, jobs: list[_Job], stream) -> None:
         idx = self.index
         plan = [t for job in jobs for t in job.plan]
+        # Records on disk are first read, whole and verified, into host staging slots; then
+        # every block is copied to the device layer by layer (core/slots.py, _plan_promotion).
+        staged = [t for t in plan if t.dst_tier != 0]
+        to_device = [t for t in plan if t.dst_tier == 0]
         num_layers = idx.num_layers
         # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
         # signalled as soon as it lands: small promotions would otherwise pay the per-call
         # overhead once per layer, large ones still land layer by layer.
-        per_layer = max(1, len(plan) * idx.block_bytes // num_layers)
+        per_layer = max(1, len(to_device) * idx.block_bytes // num_layers)
         group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
         error: BaseException | None = None
         try:
-            for first in range(0, num_layers, group):
+            if staged:
+                error = self._attempt("promotion", partial(self.executor.run, staged), stream)
+            for first in range(0, num_layers, group) if error is None else ():
                 layers = tuple(range(first, min(num_layers, first + group)))
-                error = self._attempt("promotion", partial(self.executor.run, plan, layers),
+                error = self._attempt("promotion", partial(self.executor.run, to_device, layers),
                                       stream)
                 if error is not None:
                     break
@@ -190,12 +226,13 @@ class Migrator:
             # Whatever happened above, every waiter is told and every plan committed once.
             # NOTE: waiters learn of a failure before the commit frees the device slots, so a
             # reader that checks under the lock never reads a slot the commit released.
+            corrupt = frozenset(getattr(error, "slots", ()) or ())
             for job in jobs:
                 try:
                     if error is not None:
                         job.readiness.fail(error)
                 finally:
-                    idx.commit_promotion(job.plan, error is None)
+                    idx.commit_promotion(job.plan, error is None, corrupt)
 
     def _copy_down(self, job: _Job, stream) -> None:
         """A write-through copy job."""
@@ -209,43 +246,52 @@ class Migrator:
         finally:
             moves.commit_copy_down(self.index, job.plan, error is None)
 
-    def _watch(self) -> None:
-        """Demote above the high watermark down to the low one, batch by batch.
+    def _watch(self, src: int) -> None:
+        """Demote tier `src` above the high watermark down to the low one, batch by batch,
+        into the tier below it.
 
         NOTE: pipelined: while batch k copies on the copier thread, this thread plans batch
         k + 1 (starting from the chain parents batch k leaves behind, see
         moves.plan_demotion), then commits k as soon as it lands and starts k + 1, so planning
         hides behind the copies. One batch copies at a time; the blocks of a batch in flight
-        still hold device slots, so they are subtracted from the excess.
+        still hold slots, so they are subtracted from the excess.
         """
-        copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tc-demoter-copy")
+        copier = ThreadPoolExecutor(max_workers=1,
+                                    thread_name_prefix=f"{threading.current_thread().name}-copy")
         stream = self._new_stream()
 
         def copy(plan):
             error = self._attempt("demotion", partial(self.executor.run, plan), stream)
             self._sync(stream)
+            if _unavailable(error):
+                # NOTE: a full (or failing) disk degrades to "no more demotion into it" for a
+                # while; the tier above drops its victims meanwhile, requests never see it.
+                log.warning("demotion into tier %d paused for %.0f s: %s", src + 1,
+                            _PAUSE_S, error)
+                self._paused[src] = time.monotonic() + _PAUSE_S
             return error
 
         try:
+            wake = self._wakes[src]
             while not self._stop.is_set():
-                self._wake.wait(0.005)
-                self._wake.clear()
+                wake.wait(0.005)
+                wake.clear()
                 try:
-                    self._demote_round(copier, copy)
+                    self._demote_round(src, copier, copy)
                 except Exception:
-                    self.health.record(log, "watermark demotion")
+                    self.health.record(log, f"watermark demotion of tier {src}")
                     time.sleep(0.05)        # back off; the state is consistent (see below)
         finally:
             copier.shutdown(wait=True)
 
-    def _demote_round(self, copier: ThreadPoolExecutor, copy) -> None:
+    def _demote_round(self, src: int, copier: ThreadPoolExecutor, copy) -> None:
         idx = self.index
         pending: tuple[list[Transfer], Future] | None = None
         try:
             while True:
                 plan = None
                 if not self._stop.is_set():
-                    plan = self._plan_demotion(pending[0] if pending else None)
+                    plan = self._plan_demotion(src, pending[0] if pending else None)
                 if pending is not None:
                     error = pending[1].result()
                     batch, pending = pending[0], None
@@ -264,30 +310,48 @@ class Migrator:
                 failed = fut.exception() is not None or fut.result() is not None
                 moves.commit_demotion(idx, pending[0], not failed)
 
-    def _plan_demotion(self, pending: list[Transfer] | None) -> list[Transfer] | None:
-        """The next demotion batch, or None when the watermark is met (the blocks of the
-        `pending` batch, not committed yet, are already on their way)."""
+    def _plan_demotion(self, src: int, pending: list[Transfer] | None) -> list[Transfer] | None:
+        """The next demotion batch of tier `src`, or None when its watermark is met (the
+        blocks of the `pending` batch, not committed yet, are already on their way)."""
         cfg = self.config
         idx = self.index
+        if self._paused[src] > time.monotonic():
+            return None
         with idx.locked():
-            gpu = idx.tiers[GPU]
-            cap = gpu.capacity_blocks
+            tier = idx.tiers[src]
+            cap = tier.capacity_blocks
             in_flight = len(pending) if pending else 0
-            used = gpu.used_blocks - in_flight
+            used = tier.used_blocks - in_flight
             excess = used - int(cfg.low_watermark * cap)
-            if used <= cfg.high_watermark * cap and not self._lowering:
+            if used <= cfg.high_watermark * cap and not self._lowering[src]:
                 return None
             if excess <= 0:
-                self._lowering = False
+                self._lowering[src] = False
                 return None
-            self._lowering = True
-            below = GPU + 1 if len(idx.tiers) > 1 else None
-            plan = moves.plan_demotion(idx, GPU, below, min(excess, cfg.batch_blocks), pending)
+            self._lowering[src] = True
+            plan = moves.plan_demotion(idx, src, src + 1, min(excess, cfg.batch_blocks),
+                                       pending)
             if not plan and not in_flight:
-                self._lowering = False      # everything left is pinned: nothing to demote
+                self._lowering[src] = False     # everything left is pinned: nothing to demote
             return plan
 
-    _lowering = False
+    def _erase(self) -> None:
+        """Erase the records of slots persistent tiers gave back, then free the slots."""
+        idx = self.index
+        tiers = [t.index for t in idx.tiers if t.persistent]
+        while not self._stop.wait(0.01):
+            for t in tiers:
+                slots = idx.take_erasures(t)
+                if not slots:
+                    continue
+                try:
+                    self.executor.pools[t].erase(slots)
+                except Exception:
+                    self.health.record(log, f"erasing {len(slots)} record(s) of tier {t}")
+                    idx.erased(t, slots, ok=False)
+                    time.sleep(0.05)
+                else:
+                    idx.erased(t, slots)
 
     def _attempt(self, kind: str, copy: Callable[[], None], stream) -> Exception | None:
         """Run a copy with retries; returns the last error, or None on success."""
@@ -307,6 +371,8 @@ class Migrator:
                 return None
             except Exception as exc:  # noqa: BLE001 - any copy failure is handled the same way
                 error = exc
+                if getattr(exc, "slots", None) or _unavailable(exc):
+                    break                   # a corrupt record, a full disk: retrying cannot help
                 if attempt < self.config.max_retries:
                     self.index.count("transfer_retries")
         self.index.count("transfer_failures")
@@ -336,6 +402,21 @@ class Migrator:
     def _sync(stream) -> None:
         if stream is not None:
             stream.synchronize()
+
+
+_PAUSE_S = 10.0
+"""How long demotion into a tier waits after the tier reported itself full or failing."""
+
+
+def _unavailable(error: BaseException | None) -> bool:
+    """The copy failed because the destination tier cannot take data (a full disk)."""
+    from tiered_cache.errors import TierUnavailableError
+
+    while error is not None:
+        if isinstance(error, TierUnavailableError):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _warm_up_host_copy() -> None:

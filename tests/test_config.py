@@ -222,8 +222,8 @@ def test_unknown_key_deep_in_tiers():
 
 
 def test_unknown_key_without_close_match_lists_valid_keys():
-    assert error({"tiers": {"disk": {}}}) == (
-        "tiers.disk: unknown key; valid keys are 'gpu', 'host'")
+    assert error({"tiers": {"nvme": {}}}) == (
+        "tiers.nvme: unknown key; valid keys are 'disk', 'gpu', 'host'")
 
 
 def test_non_mapping_section():

@@ -202,7 +202,8 @@ def _leaves(cls: type, path: str = "") -> list[str]:
 
 LEAVES = _leaves(CacheConfig)
 _BLOCK_COUNTS = [f"tiers.{t}.{k}" for t in ("gpu", "host")
-                 for k in ("num_blocks", "max_num_blocks", "segment_blocks")]
+                 for k in ("num_blocks", "max_num_blocks", "segment_blocks")] + [
+                     "tiers.disk.num_blocks", "tiers.disk.max_num_blocks"]
 # Errors that may legitimately name another key than the one changed: the constraints that tie
 # keys together (both watermarks, the GQA multiple, capacity xor num_blocks, a tier's bytes).
 _GEOMETRY = ["model.num_layers", "model.num_kv_heads", "model.head_dim", "model.dtype",
@@ -212,10 +213,11 @@ RELATED["migrator.high_watermark"].add("migrator.low_watermark")
 RELATED["model.num_kv_heads"].add("model.num_q_heads")
 for _key in _GEOMETRY:
     RELATED[_key].update(_BLOCK_COUNTS)
-for _tier in ("gpu", "host"):
+for _tier in ("gpu", "host", "disk"):
     for _key in ("num_blocks", "max_num_blocks", "capacity"):
         RELATED[f"tiers.{_tier}.{_key}"].update({f"tiers.{_tier}", *_BLOCK_COUNTS})
-BASE = CacheConfig.from_dict({"tiers": {"gpu": {"device": "cpu", "num_blocks": 8}}}).to_dict()
+BASE = CacheConfig.from_dict({"tiers": {"gpu": {"device": "cpu", "num_blocks": 8},
+                                         "disk": {"path": "/tmp/x", "num_blocks": 8}}}).to_dict()
 
 one_bad_value = st.one_of(
     st.sampled_from([10**400, -(10**400), BigInt(10**5000), float("inf"), float("nan"), 1e308]),

@@ -105,6 +105,12 @@ class TieredKVCache:
 
         self.executor = (Executor(self.pools, [s.kind for s in specs]) if self.has_storage
                          else NullExecutor())
+        if any(s.persistent for s in specs):
+            from tiered_cache.data import disk_tier
+
+            for (src, dst), handler in disk_tier.HANDLERS.items():
+                self.executor.register(src, dst, handler)
+            self._recover()
         from tiered_cache.migrator import Compactor, Migrator, ThreadHealth
 
         self.health = ThreadHealth()
@@ -155,7 +161,43 @@ class TieredKVCache:
                                  resizable=getattr(tcfg, "resizable", False), **geometry)
             specs.append(TierSpec(name, name, n))
             pools.append(pool)
+        disk = config.tiers.disk
+        n = tier_num_blocks(config, "disk")
+        if disk is not None and n > 0:
+            specs.append(TierSpec("disk", "disk", n, persistent=self.has_storage,
+                                  sync_target=not self.has_storage,
+                                  admit_min_hits=disk.admit_min_hits))
+            pools.append(self._disk_pool(config, n, pools, specs) if self.has_storage else None)
         return specs, pools
+
+    def _disk_pool(self, config: CacheConfig, n: int, pools: list, specs: list):
+        """The disk tier's pool (tensor storage): checks what it needs, opens its directory."""
+        from tiered_cache.data.disk_tier import DiskTier
+
+        disk = config.tiers.disk
+        if disk.path is None:
+            raise ConfigError("tiers.disk.path", "required with storage: tensors (the "
+                                                 "directory the tier's records live in)")
+        if len(specs) < 3 or specs[1].kind != "host":
+            raise ConfigError("tiers.disk", "needs a host tier above it (tiers.host with "
+                                            "num_blocks > 0): disk records are read through it")
+        if not config.migrator.enabled:
+            raise ConfigError("tiers.disk", "needs the migrator (migrator.enabled: true): only "
+                                            "its background threads write and read the disk")
+        host = pools[1]
+        return DiskTier(disk.path, n, host_kv=host.kv, host_scales=host.scales,
+                        num_tokens=self.block_size, namespace=self.hasher.namespace_digest(),
+                        o_direct=disk.o_direct, max_slots=disk.max_num_blocks)
+
+    def _recover(self) -> None:
+        """Rebuild the index entries of every record a persistent tier holds (a restart)."""
+        for tier in self.index.tiers:
+            if not tier.persistent:
+                continue
+            pool = self.pools[tier.index]
+            reject = self.index.restore(tier.index, pool.recover())
+            if reject:
+                pool.erase(reject)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> TieredKVCache:
@@ -182,6 +224,17 @@ class TieredKVCache:
             if seq.writing or seq.readers:      # still busy after 30 s: leave it open
                 continue
             self.index.close(seq)
+        for tier in self.index.tiers:
+            if tier.persistent:
+                # Records of blocks dropped since the eraser last ran must not come back.
+                pool = self.pools[tier.index]
+                slots = self.index.take_erasures(tier.index)
+                try:
+                    pool.erase(slots)
+                    self.index.erased(tier.index, slots)
+                    pool.save_hits(*self.index.copies_with_hits(tier.index))
+                finally:
+                    pool.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
             server.shutdown()
@@ -367,9 +420,21 @@ class TieredKVCache:
     def _read(self, seqs: list[Sequence], layer: int, kernel):
         """Run `kernel(rows)` over block tables built under the lock; the blocks it reads stay
         held (and the sequences open) until it returns."""
-        if self.config.kernels.missing_blocks == "wait":
-            for seq in seqs:
+        wait_all = self.config.kernels.missing_blocks == "wait"
+        for seq in seqs:
+            if wait_all:
                 self.wait(seq, layer)
+            elif any(not r.zero_copy for r in seq.pending):
+                # NOTE: blocks staged from disk have no copy to read in place until their
+                # host stage lands: wait for this layer of those promotions only.
+                timeout = self.config.migrator.wait_timeout_s
+                for r in seq.pending:
+                    if not r.zero_copy:
+                        event = r.wait(layer, timeout)
+                        if event is not None:
+                            import torch
+
+                            torch.cuda.current_stream().wait_event(event)
         idx = self.index
         with atomic():
             rows, held = idx.begin_read(seqs, layer)
@@ -406,6 +471,9 @@ class TieredKVCache:
         out = self.index.stats()
         out["threads"] = self.health.summary()
         out["closed"] = self._closed
+        for tier in self.index.tiers:
+            if tier.persistent and not self._closed:
+                out["tiers"][tier.name]["pool"] = self.pools[tier.index].stats()
         return out
 
     def resize(self, tier: str, num_blocks: int, *, timeout: float | None = 30.0) -> int:

@@ -404,16 +404,68 @@ class HostTierConfig(_Section, _TierSize):
 
 
 @dataclass
+class DiskTierConfig(_Section):
+    """A local disk (SSD) beneath host memory: one verified record per slot in a preallocated
+    file, kept across restarts. Written and read only by background threads, never under the
+    control-plane lock."""
+
+    _PATH: ClassVar[str] = "tiers.disk"
+
+    path: str | None = None
+    """Directory of the tier (created if missing). Records of each namespace (model, dtype,
+    geometry, block size) live in their own subdirectory. Required with `storage: tensors`."""
+    capacity: str | None = None
+    """"2TiB", "500GB", or "80%" of the free space at `path`."""
+    num_blocks: int | None = None
+    """Exactly one of capacity / num_blocks; 0 means no disk tier."""
+    max_num_blocks: int | None = None
+    """Largest size `cache.resize` may grow the tier to (null: as many as the disk holds)."""
+    o_direct: bool = False
+    """Payload I/O bypasses the page cache (so demoted blocks do not compete with the host tier
+    for RAM); falls back, with a warning, where the filesystem refuses O_DIRECT."""
+    admit_min_hits: int = 1
+    """Only blocks reused at least this many times are written to disk (0: every demoted
+    block), so one-shot traffic does not wear the SSD."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            ok = isinstance(self.path, str) and self.path.strip() and "\0" not in self.path \
+                and self.path.isprintable() and len(self.path) <= 4096
+            if not ok:
+                raise ConfigError(self._key("path"), f"expected a directory path (printable, "
+                                                     f"no NUL), got {short_repr(self.path)}")
+        _size(self._key("capacity"), self.capacity)
+        if self.num_blocks is not None:
+            _non_negative_int(self._key("num_blocks"), self.num_blocks, MAX_NUM_BLOCKS)
+        if self.max_num_blocks is not None:
+            _positive_int(self._key("max_num_blocks"), self.max_num_blocks, MAX_NUM_BLOCKS)
+            if self.num_blocks is not None and self.max_num_blocks < self.num_blocks:
+                raise ConfigError(self._key("max_num_blocks"),
+                                  f"{self.max_num_blocks} is below num_blocks {self.num_blocks}")
+        if (self.capacity is None) == (self.num_blocks is None):
+            got = "both" if self.capacity is not None else "neither"
+            raise ConfigError(self._PATH,
+                              f"set exactly one of 'capacity' or 'num_blocks', got {got}")
+        _bool(self._key("o_direct"), self.o_direct)
+        _non_negative_int(self._key("admit_min_hits"), self.admit_min_hits, 1 << 20)
+
+
+@dataclass
 class TiersConfig(_Section):
     _PATH: ClassVar[str] = "tiers"
-    _NESTED: ClassVar[dict[str, type]] = {"gpu": GpuTierConfig, "host": HostTierConfig}
+    _NESTED: ClassVar[dict[str, type]] = {"gpu": GpuTierConfig, "host": HostTierConfig,
+                                          "disk": DiskTierConfig}
 
     gpu: GpuTierConfig = field(default_factory=lambda: GpuTierConfig(num_blocks=256))
     host: HostTierConfig = field(default_factory=lambda: HostTierConfig(num_blocks=1024))
+    disk: DiskTierConfig | None = None
+    """Optional; absent (or null): no disk tier."""
 
     def __post_init__(self) -> None:
         self._nested("gpu")
         self._nested("host")
+        if self.disk is not None:
+            self._nested("disk")
 
 
 @dataclass

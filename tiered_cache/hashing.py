@@ -12,6 +12,7 @@ is injectable so tests can prove that a deliberately weak hash never returns ano
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -65,6 +66,10 @@ class BlockHasher:
         self.hash_fn = hash_fn
         self._roots: dict[tuple[str | bytes | None, str | None], tuple[bytes, int]] = {}
         self._root_ids: dict[bytes, int] = {}
+        self._by_key: dict[bytes, list[int]] = {}     # root key -> ids of its preimages
+        self._record_ids: dict[bytes, int] = {}       # root key -> id of its records
+        self._ambiguous: set[int] = set()             # record ids no preimage may adopt
+        self._next_id = itertools.count()
 
     def root(self, salt: str | bytes | None = None,
              adapter_id: str | None = None) -> tuple[bytes, int]:
@@ -82,10 +87,52 @@ class BlockHasher:
                 ns = Namespace(ns.model, ns.kv_dtype, ns.num_layers, ns.num_kv_heads,
                                ns.head_dim, ns.block_size, adapter_id)
             preimage = ns.encode(salt)
-            root_id = self._root_ids.setdefault(preimage, len(self._root_ids))
-            found = (self.hash_fn(preimage), root_id)
+            key = self.hash_fn(preimage)
+            root_id = self._root_ids.get(preimage)
+            if root_id is None:
+                root_id = self._adopt(key)
+                self._root_ids[preimage] = root_id
+                self._by_key.setdefault(key, []).append(root_id)
+            found = (key, root_id)
             self._roots[cache_key] = found
         return found
+
+    def _adopt(self, key: bytes) -> int:
+        """An id for a new preimage: the id of records under its key (a restart, another
+        process) if those records can only be this root's, else a fresh one."""
+        rid = self._record_ids.get(key)
+        if rid is not None and key not in self._by_key and rid not in self._ambiguous:
+            return rid
+        return next(self._next_id)
+
+    def root_id_for_key(self, key: bytes) -> int:
+        """The id of a root known only by its key (from a persisted record).
+
+        NOTE: a record names its tenant by the root key alone (the salt is never written
+        down), so a restart matches recovered depth-0 blocks by root key, a 128-bit hash. Two
+        preimages with one key (a broken hash function) make the key ambiguous: its records get
+        an id no tenant will ever have, so a collision can only cost misses, never another
+        tenant's KV. The chained keys, parents and token ids of every block are still checked
+        as for any other block."""
+        rid = self._record_ids.get(key)
+        if rid is None:
+            ids = self._by_key.get(key, [])
+            rid = ids[0] if len(ids) == 1 else next(self._next_id)
+            if len(ids) > 1:
+                self._ambiguous.add(rid)
+            self._record_ids[key] = rid
+        return rid
+
+    def namespace_digest(self) -> bytes:
+        """16 bytes naming the model, KV dtype, geometry and block size (not the adapter or
+        tenant, which the root key carries): persisted records of another namespace are
+        never read. Always xxh3-128, whatever hash function keys blocks."""
+        ns = self.namespace
+        body = json.dumps({"model": ns.model, "kv_dtype": ns.kv_dtype,
+                           "num_layers": ns.num_layers, "num_kv_heads": ns.num_kv_heads,
+                           "head_dim": ns.head_dim, "block_size": ns.block_size},
+                          sort_keys=True).encode()
+        return xxhash.xxh3_128_digest(_VERSION + b"\0namespace\0" + body)
 
     def key(self, parent: bytes, token_bytes: bytes) -> bytes:
         return self.hash_fn(parent + token_bytes)

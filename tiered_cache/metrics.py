@@ -87,6 +87,14 @@ class CacheCollector(Collector):
                                  labels=["tier"])
         for name, t in s["tiers"].items():
             frag.add_metric([name], t["fragmentation"])
+        corrupt = CounterMetricFamily(f"{PREFIX}_corrupt_blocks",
+                                      "Persisted records that failed verification (dropped: a "
+                                      "miss, never data)", labels=["tier"])
+        for name, t in s["tiers"].items():
+            corrupt.add_metric([name], t["corrupt_blocks"])
+        recovered = CounterMetricFamily(f"{PREFIX}_recovered_blocks",
+                                        "Blocks rebuilt from persisted records at start-up")
+        recovered.add_metric([], s["recovered_blocks"])
         degraded = CounterMetricFamily(f"{PREFIX}_degraded_evictions",
                                        "Evicted blocks dropped instead of demoted because the "
                                        "copy down failed (a miss later, never an error)")
@@ -102,7 +110,7 @@ class CacheCollector(Collector):
         index = self.index
         yield from (query, hit, evictions, capacity, used, pinned, moves, moved_bytes,
                     collisions, cached, open_seqs, failures, retries, sync, compaction, frag,
-                    degraded, background, alive,
+                    degraded, background, alive, corrupt, recovered,
                     _histogram("lock_hold_seconds", "Control-plane lock hold time, per hold",
                                index.lock.holds),
                     _histogram("lookup_seconds", "Time of open(): prefix match, pin, reserve",

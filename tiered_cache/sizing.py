@@ -198,15 +198,29 @@ def free_bytes(device: str) -> int:
     return int(torch.cuda.mem_get_info(torch.device(device))[0])
 
 
+def disk_free_bytes(path: str | None) -> int:
+    """Free bytes of the filesystem holding `path` (its nearest existing ancestor), for a
+    `"%"` disk capacity."""
+    import os
+    import shutil
+
+    p = os.path.abspath(path or ".")
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return int(shutil.disk_usage(p).free)
+
+
 def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> int:
     """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or, for a
     `"%"` capacity, fraction * free // block_bytes. `free` defaults to the free memory of the
     tier's device (gpu: its resolved device; host: `"cpu"`). At least one block for gpu; host may
     get 0 (no host tier). More than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
     or a share of a large machine can exceed it with small blocks."""
-    if tier not in ("gpu", "host"):
-        raise ValueError(f"unknown tier {tier!r}; expected 'gpu' or 'host'")
-    tcfg = config.tiers.gpu if tier == "gpu" else config.tiers.host
+    if tier not in ("gpu", "host", "disk"):
+        raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'host' or 'disk'")
+    tcfg = getattr(config.tiers, tier)
+    if tcfg is None:                    # an optional tier that is not configured
+        return 0
     if tcfg.num_blocks is not None:
         return tcfg.num_blocks
     path = f"tiers.{tier}.capacity"
@@ -217,7 +231,10 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> 
         what = f"{tcfg.capacity!r} ({int(value):,} bytes)"
     else:
         if free is None:
-            free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
+            if tier == "disk":
+                free = disk_free_bytes(tcfg.path)
+            else:
+                free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
         n = int(value * free) // block
         what = f"{tcfg.capacity!r} of {free:,} free bytes"
     if tier == "gpu" and n < 1:

@@ -141,8 +141,7 @@ class BatchOps:
         par = t.view("parent")
         par[ids[1:]] = ids[:-1]
         par[ids[0]] = parent
-        if parent == NO_BLOCK:
-            t.root_id[blocks[0]] = seq.root_id
+        t.view("root_id")[ids] = seq.root_id
         t.view("inserted_at")[ids] = self.clock
         t.view("last_access")[ids] = self.clock
         t.tokens[ids] = seq.token_ids[first * bs:ready * bs].reshape(-1, bs)

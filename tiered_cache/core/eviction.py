@@ -15,7 +15,36 @@ from tiered_cache.errors import CapacityError, TransferError
 DEVICE = 0
 
 
+_SEEN_MAX = 1 << 16
+"""Keys of blocks turned away from a tier remembered for admission (a second sighting admits)."""
+
+
 class Eviction:
+    def admits(self, t: int, b: int) -> bool:
+        """Whether demotion into tier t takes block b: reused at least `admit_min_hits` times,
+        or seen before (its content was turned away once already and came back).
+
+        NOTE: a block's own hit count restarts when its content comes back after an eviction,
+        so in a tier too small to see reuse, counting hits alone would admit nothing; the
+        bounded memory of rejected keys (TinyLFU's doorkeeper, in spirit) admits a second
+        sighting. Lock held."""
+        need = self.tiers[t].admit_min_hits
+        if not need or self.blocks.hits[b] >= need:
+            return True
+        key = self._key[b]
+        return key is not None and hash(key) in self._seen
+
+    def turned_away(self, b: int) -> None:
+        """Block b was not admitted below: remember its content (bounded, oldest first out)."""
+        key = self._key[b]
+        if key is None:
+            return
+        seen = self._seen
+        seen[hash(key)] = None
+        seen.move_to_end(hash(key))
+        if len(seen) > _SEEN_MAX:
+            seen.popitem(last=False)
+
     def room(self, t: int) -> int:
         """Slots tier t can provide: free ones plus those eviction can free.
 
@@ -76,10 +105,9 @@ class Eviction:
         self.tiers[t].reserved -= n
 
     def free_slot(self, t: int, slot: int) -> None:
-        """Return a slot no block owns (a reservation that was not used)."""
-        tier = self.tiers[t]
-        tier.allocator.free_one(slot)
-        tier.owner[slot] = NO_BLOCK
+        """Return a slot no block owns (a reservation that was not used: in a persistent tier
+        it may hold part of a record, so it is erased first)."""
+        self._give_back(self.tiers[t], slot)
 
     def evict(self, t: int, n: int, need: Callable[[], int] | None = None) -> None:
         """Free `n` slots of tier t by the tier's policy (or, with `need`, evict until
@@ -95,7 +123,8 @@ class Eviction:
         (their only copy goes; a miss later, never wrong data) and counted.
         """
         tier = self.tiers[t]
-        below = t + 1 if t + 1 < len(self.tiers) else None
+        # NOTE: no copy into a tier whose writes are I/O under the lock: its victims drop.
+        below = t + 1 if t + 1 < len(self.tiers) and self.tiers[t + 1].sync_target else None
         if need is None:
             alloc, target = tier.allocator, tier.allocator.num_free + n
 
@@ -130,6 +159,7 @@ class Eviction:
         others = [s for i, s in enumerate(slots) if i != t]
         later = slots[t + 1:]
         clear = ~(1 << t)
+        admit = self.tiers[below].admit_min_hits if below is not None else 0
         # NOTE: the slots of dropped leaves are freed in one sorted batch at the end (a chain
         # leaves as one run: one merge in the allocator instead of one per block), so what is
         # still missing is need() minus the slots already set aside.
@@ -147,12 +177,22 @@ class Eviction:
                     exc.transient = tier.busy + tier.reserved > 0
                     raise exc
                 cand[v] &= clear
-                if below is not None and (not later[1:] or all(s[v] == NO_SLOT
-                                                               for s in later)) \
-                        and later[0][v] == NO_SLOT:
+                demote = below is not None and later[0][v] == NO_SLOT and (
+                    not later[1:] or all(s[v] == NO_SLOT for s in later))
+                if demote and admit and not self.admits(below, v):
+                    self.turned_away(v)             # dropped below, remembered for next time
+                    demote = False
+                if demote:
                     if not reserve:
                         k = min(need() - len(freed), self.room(below))
-                        reserve = self.allocate(below, k)[::-1] if k > 0 else []
+                        try:
+                            reserve = self.allocate(below, k)[::-1] if k > 0 else []
+                        except CapacityError:
+                            # NOTE: the tier below cannot make room right now (its copies
+                            # are in flight): v stays where it is, a candidate again, and
+                            # this eviction stops here (the caller's error is transient).
+                            self._refresh(v)
+                            raise
                     if reserve and mine[v] != NO_SLOT:
                         dst = reserve.pop()
                         plan.append(Transfer(v, t, mine[v], below, dst))
@@ -164,7 +204,9 @@ class Eviction:
                 tier.evictions += 1
                 if first_child[v] == NO_BLOCK and ref[v] == 0 and flight[v] == 0 and \
                         (not others or all(s[v] == NO_SLOT for s in others)):
-                    freed.append(self._drop_leaf(v, t))     # the common case, in one step
+                    slot = self._drop_leaf(v, t)         # the common case, in one step
+                    if slot >= 0:
+                        freed.append(slot)
                     continue
                 self.clear_slot(v, t)
                 if self.blocks.fastest_tier(v) < 0:
@@ -179,10 +221,16 @@ class Eviction:
     def _drop_leaf(self, v: int, t: int) -> int:
         """Drop a published, unpinned, childless block whose only copy is in tier t: what
         clear_slot + drop_subtree + _release do, without their general bookkeeping. Returns
-        the slot, which the caller frees (it is no longer owned)."""
+        the slot, which the caller frees (it is no longer owned), or -1 when it waits to be
+        erased (a persistent tier)."""
         mine = self._slots[t]
         slot = mine[v]
-        self.tiers[t].owner[slot] = NO_BLOCK
+        tier = self.tiers[t]
+        tier.owner[slot] = NO_BLOCK
+        if tier.persistent:         # its record is erased before the slot is reused
+            tier.reserved += 1
+            tier.erasing.append(slot)
+            slot = -1
         mine[v] = NO_SLOT
         del self.prefix[self._key[v]]
         p = self._parent[v]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
@@ -41,6 +42,7 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
+from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import BROKEN, Sequence
 from tiered_cache.core.slots import SlotOps
@@ -85,6 +87,8 @@ class Counters:
     transfer_retries: int = 0
     compaction_moves: int = 0
     degraded_evictions: int = 0
+    corrupt_blocks: int = 0
+    recovered_blocks: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -123,7 +127,7 @@ def _mutator(fn):
     return wrapper
 
 
-class BlockIndex(BatchOps, Eviction, SlotOps):
+class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
     def __init__(self, specs: list[TierSpec], *, policy: PolicyFactory, block_size: int,
                  num_layers: int, hasher: BlockHasher, block_bytes: int = 0,
                  verify_tokens: bool = True, write_through: bool = False,
@@ -144,9 +148,14 @@ class BlockIndex(BatchOps, Eviction, SlotOps):
         self.tiers: list[TierState] = []
         for i, spec in enumerate(specs):
             self.tiers.append(TierState(spec.name, spec.kind, i, SlotAllocator(spec.num_slots),
-                                        policy(spec.num_slots, self.blocks)))
+                                        policy(spec.num_slots, self.blocks),
+                                        persistent=spec.persistent,
+                                        sync_target=spec.sync_target,
+                                        admit_min_hits=spec.admit_min_hits))
         self.prefix: dict[bytes, int] = {}
+        self.root_keys: dict[int, bytes] = {}          # root id -> root key (records name it)
         self.pending: dict[int, LayerReadiness] = {}    # block -> its promotion into tier 0
+        self._seen: OrderedDict[int, None] = OrderedDict()  # turned-away keys (admission)
         self.counters = Counters()
         self.lock = TimedLock()
         self.lookups = HoldStats()          # open(): prefix match + pin + reserve, per call
@@ -237,6 +246,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps):
         """
         t0 = time.perf_counter()
         root, root_id = self.hasher.root(salt, adapter_id)
+        self.root_keys[root_id] = root
         seq = Sequence(id(self), root, root_id, tokens, self.num_layers, salt, adapter_id)
         matched = self._match(seq)
         if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
@@ -446,7 +456,9 @@ class BlockIndex(BatchOps, Eviction, SlotOps):
                     # NOTE: the fastest copy below the device, the one the promotion reads.
                     src = next((i for i in range(1, len(slots)) if slots[i][b] != NO_SLOT),
                                -1)
-                    if src < 0:
+                    if src < 0 or self.tiers[src].kind != "host":
+                        # Only a host copy can be read in place; the facade waits for layers
+                        # of promotions staged from disk before it builds tables.
                         self._unhold(held)
                         raise TransferError(f"a block of sequence {seq.id} is neither on the "
                                             "device nor in a slower tier")
@@ -594,8 +606,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps):
             rows.append(b)
             at.append(i)
             parents[b] = parent
-            if parent == NO_BLOCK:
-                roots[b] = seq.root_id
+            roots[b] = seq.root_id
             born[b] = last[b] = clock
             prefix[key] = b
             if parent != NO_BLOCK:

@@ -30,22 +30,40 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
                   after: list[Transfer] | None = None) -> list[Transfer]:
     """Pick up to n victims of tier `src` by policy. Those already held by a slower tier leave
     `src` at once; the rest get a slot in `dst` and a copy (or are dropped when `dst` has no
-    room, or is None).
+    room, is None, or does not admit them).
+
+    Into a persistent tier (disk) a victim also takes along copies of its ancestors that have
+    none there yet (see `_with_ancestors`), and every transfer carries the block's identity
+    (`RecordMeta`) for its record.
 
     `after`: a demotion batch still copying. The parents it leaves behind come first (see
     `_chain_tops`): long chains keep moving while the previous batch is in flight."""
     with idx.locked():
-        slots = idx.blocks.slots
+        t = idx.blocks
+        slots = t.slots
         victims = _chain_tops(idx, src, after, n) if after else []
         victims += idx.take_victims(src, n - len(victims))
         _extend_chains(idx, src, victims, n)
         below = range(src + 1, len(slots))
+        target = idx.tiers[dst] if dst is not None else None
+        need = [v for v in victims if target is not None
+                and all(slots[i][v] == NO_SLOT for i in below)]
+        if target is not None and target.admit_min_hits:
+            admitted = [v for v in need if idx.admits(dst, v)]
+            for v in set(need).difference(admitted):
+                idx.turned_away(v)          # dropped below, remembered for next time
+            need = admitted
         # Ascending source slots paired with ascending destination slots: adjacent blocks merge
         # into one large copy (transfer.group sorts by source slot).
-        need = sorted((v for v in victims if dst is not None
-                       and all(slots[i][v] == NO_SLOT for i in below)),
-                      key=lambda v: slots[src][v])
-        k = min(len(need), idx.room(dst)) if dst is not None else 0
+        need.sort(key=lambda v: slots[src][v])
+        persistent = target is not None and target.persistent
+        keep: list[int] = []                # ancestors persisted along (they stay above)
+        if persistent:
+            need, keep, later = _with_ancestors(idx, dst, need, idx.room(dst))
+            for v in later:                 # a parent is busy: this victim waits its turn
+                idx.recheck(v)
+            victims = [v for v in victims if v not in set(later)]
+        k = min(len(need) + len(keep), idx.room(dst)) if dst is not None else 0
         try:
             dest = idx.reserve(dst, k) if k else []
         except CapacityError:
@@ -55,16 +73,22 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
             for v in need:
                 idx.recheck(v)
             victims = [v for v in victims if v not in kept]
-            need, dest = [], []
+            need, keep, dest = [], [], []
         plan: list[Transfer] = []
-        for v, s in zip(need[:k], dest):
-            if slots[src][v] == NO_SLOT:     # dropped by the lower tier's eviction just now
+        # Ancestors first: a commit that lands only in part never leaves a child on disk
+        # without its parent.
+        ancestors = set(keep)
+        for b, s in zip(keep + need, dest):
+            src_b = t.fastest_tier(b) if b in ancestors else src
+            if slots[src_b][b] == NO_SLOT:  # dropped by the lower tier's eviction just now
                 idx.free_slot(dst, s)
                 idx.unreserve(dst)
                 continue
-            plan.append(Transfer(v, src, slots[src][v], dst, s))
-            idx.begin_move(v)
-        moving = {t.block for t in plan}
+            meta = idx.record_meta(b) if persistent else None
+            plan.append(Transfer(b, src_b, slots[src_b][b], dst, s, keep=b in ancestors,
+                                 meta=meta))
+            idx.begin_move(b)
+        moving = {tr.block for tr in plan}
         for v in victims:                   # no copy needed, or no room: leave the tier now
             if v in moving or slots[src][v] == NO_SLOT:
                 continue
@@ -72,6 +96,41 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
             idx.note_evictions(src)
             idx.drop_if_uncached(v)
         return plan
+
+
+def _with_ancestors(idx: BlockIndex, dst: int, need: list[int],
+                    room: int) -> tuple[list[int], list[int], list[int]]:
+    """Split victims bound for persistent tier `dst` into (go now, ancestors to persist with
+    them, wait): a victim goes only together with every ancestor that has no copy in `dst`
+    yet, so that each block there can be reached from its root after a restart.
+
+    NOTE: a chain leaves faster tiers leaf first, so without this the deepest blocks of a hot
+    prefix would be on disk and their ancestors only in memory: after a restart they could
+    never be matched again. A victim whose ancestor is in flight (moving between faster
+    tiers right now) waits for the next round; ancestors keep their faster copies."""
+    t = idx.blocks
+    slots = t.slots
+    go: list[int] = []
+    up: list[int] = []
+    wait: list[int] = []
+    taken: set[int] = set(need)
+    for v in need:
+        chain: list[int] = []
+        p = t.parent[v]
+        ok = True
+        while p != NO_BLOCK and slots[dst][p] == NO_SLOT and p not in taken:
+            if t.key[p] is None or t.in_flight[p] or t.fastest_tier(p) < 0:
+                ok = False
+                break
+            chain.append(p)
+            p = t.parent[p]
+        if not ok or len(go) + len(up) + len(chain) + 1 > room:
+            wait.append(v)
+            continue
+        go.append(v)
+        up.extend(reversed(chain))          # root side first
+        taken.update(chain)
+    return go, up, wait
 
 
 def _chain_tops(idx: BlockIndex, src: int, batch: list[Transfer], n: int) -> list[int]:
@@ -134,7 +193,9 @@ def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
             if ok and t.key[b] is not None:
                 idx.count("demotions")
                 idx.count("demotion_bytes", idx.block_bytes)
-                if t.ref_count[b] == 0:
+                if tr.keep:                 # a persisted ancestor keeps its faster copies
+                    idx.set_slot(b, tr.dst_tier, tr.dst_slot)
+                elif t.ref_count[b] == 0:
                     idx.move_copy(b, tr.src_tier, tr.dst_tier, tr.dst_slot)
                     idx.note_evictions(tr.src_tier)
                 else:                   # pinned meanwhile: it keeps its faster copy too

@@ -26,6 +26,7 @@ class LayerReadiness:
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self.created = time.perf_counter()
+        self.zero_copy = True       # False: a block is staged from disk; readers must wait
 
     @property
     def ready_layers(self) -> int:

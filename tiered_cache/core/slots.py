@@ -12,6 +12,7 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.transfer import Transfer
+from tiered_cache.errors import TransferError
 
 DEVICE = 0
 
@@ -59,8 +60,7 @@ class SlotOps:
         s_tier, d_tier = self.tiers[src], self.tiers[dst]
         s_slots = self._slots[src]
         old = s_slots[b]
-        s_tier.allocator.free_one(old)
-        s_tier.owner[old] = NO_BLOCK
+        self._give_back(s_tier, old)
         s_slots[b] = NO_SLOT
         self._slots[dst][b] = slot
         d_tier.owner[slot] = b
@@ -78,8 +78,7 @@ class SlotOps:
         """b's copy in tier t goes (its slot is freed)."""
         tier = self.tiers[t]
         mine = self._slots[t]
-        tier.allocator.free_one(mine[b])
-        tier.owner[mine[b]] = NO_BLOCK
+        self._give_back(tier, mine[b])
         mine[b] = NO_SLOT
         if self._ref[b]:
             tier.pinned_blocks -= 1
@@ -94,10 +93,37 @@ class SlotOps:
         compactor); counts and candidacy are unchanged."""
         tier = self.tiers[t]
         mine = self._slots[t]
-        tier.allocator.free_one(mine[b])
-        tier.owner[mine[b]] = NO_BLOCK
+        self._give_back(tier, mine[b])
         mine[b] = slot
         tier.owner[slot] = b
+
+    def _give_back(self, tier, slot: int) -> None:
+        """A slot no block holds any more returns to its tier's allocator, or, in a persistent
+        tier, waits (reserved) until the data plane has erased its record (`take_erasures`)."""
+        tier.owner[slot] = NO_BLOCK
+        if tier.persistent:
+            tier.reserved += 1
+            tier.erasing.append(slot)
+        else:
+            tier.allocator.free_one(slot)
+
+    def take_erasures(self, t: int) -> list[int]:
+        """Slots of tier t whose records must be erased before the slots are reused; hand
+        them back with `erased` once done (or failed: they stay reserved until then)."""
+        with atomic(), self.lock:
+            tier = self.tiers[t]
+            out, tier.erasing = tier.erasing, []
+            return out
+
+    def erased(self, t: int, slots: list[int], ok: bool = True) -> None:
+        """The records of `slots` are erased (ok), or erasing failed: they are queued again."""
+        with atomic(), self.lock:
+            tier = self.tiers[t]
+            if not ok:
+                tier.erasing.extend(slots)
+                return
+            tier.reserved -= len(slots)
+            tier.allocator.free(sorted(slots))
 
     def drop_if_uncached(self, b: int) -> None:
         """Unpublish b (and what hangs below it) once it holds no copy anywhere."""
@@ -148,23 +174,56 @@ class SlotOps:
 
     def _plan_promotion(self, blocks: list[int], slots: list[int],
                         readiness: LayerReadiness) -> list[Transfer]:
-        """Device slots for blocks only in slower tiers; the data follows (commit_promotion)."""
+        """Device slots for blocks only in slower tiers; the data follows (commit_promotion).
+
+        NOTE: a block whose fastest copy cannot be read in place (a disk record) is staged
+        through a host slot: the record is read and verified whole into it, then copied to the
+        device layer by layer like any host block. Its readers cannot read it zero-copy until
+        then (`readiness.zero_copy` is False: they wait for their layer)."""
         plan = []
         fastest = self.blocks.fastest_tier
+        tiers = self.tiers
+        staged = sum(1 for b in blocks if tiers[fastest(b)].persistent)
+        stage: list[int] = []
+        if staged:
+            # Everything that can fail comes first: a refused open leaves nothing half done.
+            if len(tiers) < 2 or tiers[1].kind != "host":
+                raise TransferError("a block on a disk tier needs a host tier to be promoted "
+                                    "through")
+            stage = self.reserve(1, staged)[::-1]
+            readiness.zero_copy = False
         for b, s in zip(blocks, slots):
             src = fastest(b)
-            plan.append(Transfer(b, src, self._slots[src][b], DEVICE, s))
+            src_slot = self._slots[src][b]
+            if tiers[src].persistent:
+                h = stage.pop()
+                plan.append(Transfer(b, src, src_slot, 1, h))
+                src, src_slot = 1, h
+            plan.append(Transfer(b, src, src_slot, DEVICE, s))
             self.pending[b] = readiness
             self._flight[b] += 1
             self.set_slot(b, DEVICE, s)
         return plan
 
-    def commit_promotion(self, plan: list[Transfer], ok: bool) -> None:
+    def commit_promotion(self, plan: list[Transfer], ok: bool,
+                         corrupt: frozenset[int] | set[int] = frozenset()) -> None:
         """A promotion's copy finished (ok) or was given up: the device copy stays, or is
-        released (the slower copy stays valid)."""
+        released (the slower copy stays valid). A staged record that failed verification
+        (`corrupt`: its source slots) also loses that copy, and is counted."""
         with atomic(), self.lock:
             for p in plan:
                 b = p.block
+                if p.dst_tier != DEVICE:        # the host staging slot of a disk record
+                    self.unreserve(p.dst_tier)
+                    if ok and self._key[b] is not None:
+                        self.set_slot(b, p.dst_tier, p.dst_slot)
+                    else:
+                        self.free_slot(p.dst_tier, p.dst_slot)
+                    if p.src_slot in corrupt and self._slots[p.src_tier][b] == p.src_slot:
+                        self.counters.corrupt_blocks += 1
+                        self.tiers[p.src_tier].corrupt += 1
+                        self.clear_slot(b, p.src_tier)
+                    continue
                 self.pending.pop(b, None)
                 if ok:
                     self.counters.promotions += 1
@@ -183,6 +242,7 @@ class SlotOps:
                     self._release(b)
                 else:
                     self._refresh(b)
+                    self.drop_if_uncached(b)
 
     def _pin(self, b: int) -> None:
         r = self._ref[b]

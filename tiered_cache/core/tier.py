@@ -20,6 +20,15 @@ class TierSpec:
     name: str
     kind: str
     num_slots: int
+    persistent: bool = False
+    """Its slots outlive the process (disk): a freed slot is erased (by the data plane, outside
+    the lock) before it can be reused, so a dropped block never comes back after a restart."""
+    admit_min_hits: int = 0
+    """Demotion into this tier writes only blocks reused at least this often (the others are
+    dropped): one-shot traffic does not wear an SSD."""
+    sync_target: bool = True
+    """Synchronous eviction (under the lock) may copy victims of the tier above into it. False
+    for tiers whose writes are I/O (disk): only the background migrator demotes into them."""
 
 
 @dataclass(eq=False)
@@ -35,6 +44,11 @@ class TierState:
     busy: int = 0                   # copies here of blocks in flight (not evictable meanwhile)
     reserved: int = 0               # destination slots of copies under way (not yet owned)
     owner: array = field(default_factory=lambda: array("i"))   # slot -> block id or NO_BLOCK
+    persistent: bool = False        # see TierSpec
+    sync_target: bool = True
+    admit_min_hits: int = 0
+    erasing: list = field(default_factory=list)     # freed slots awaiting erasure (persistent)
+    corrupt: int = 0                # records found corrupt (and dropped)
 
     def __post_init__(self) -> None:
         # NOTE: sized by the allocator's slots, which exceed capacity_blocks while a shrink
@@ -57,4 +71,5 @@ class TierState:
             "evictable_blocks": len(self.policy),
             "evictions": self.evictions,
             "fragmentation": self.allocator.fragmentation(),
+            "corrupt_blocks": self.corrupt,
         }

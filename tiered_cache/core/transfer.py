@@ -20,17 +20,29 @@ class Transfer:
     dst_tier: int
     dst_slot: int
     layers: tuple[int, ...] | None = None      # None: every layer
+    keep: bool = False              # a copy: the source copy stays (else the block moves)
+    meta: RecordMeta | None = None  # identity of the block, for tiers that persist records
 
 
-Groups = dict[tuple[int, int, tuple[int, ...] | None], tuple[list[int], list[int]]]
+@dataclass(frozen=True, slots=True)
+class RecordMeta:
+    """What a persistent tier writes beside a block's KV (tiered_cache.records): its key, its
+    parent's key (the root key at depth 0), the root key (namespace + adapter + tenant), depth,
+    token ids (int32 bytes) and use count. Taken under the lock when the move is planned."""
+
+    key: bytes
+    parent: bytes
+    root: bytes
+    depth: int
+    tokens: bytes
+    hits: int
 
 
-def group(transfers: Iterable[Transfer]) -> Groups:
-    """Group by (src tier, dst tier, layers) into parallel slot lists, sorted by source slot so
-    that adjacent slots coalesce into one large copy downstream."""
-    out: dict = defaultdict(lambda: ([], []))
+def group(transfers: Iterable[Transfer]) -> dict[tuple[int, int, tuple[int, ...] | None],
+                                                  list[Transfer]]:
+    """Group by (src tier, dst tier, layers), each group sorted by source slot so that adjacent
+    slots coalesce into one large copy downstream."""
+    out: dict = defaultdict(list)
     for t in sorted(transfers, key=lambda t: (t.src_tier, t.dst_tier, t.src_slot)):
-        src, dst = out[(t.src_tier, t.dst_tier, t.layers)]
-        src.append(t.src_slot)
-        dst.append(t.dst_slot)
+        out[(t.src_tier, t.dst_tier, t.layers)].append(t)
     return dict(out)

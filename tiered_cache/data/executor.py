@@ -19,8 +19,8 @@ import torch
 from tiered_cache.core.transfer import Transfer, group
 from tiered_cache.errors import TransferError
 
-# handler(src_pool, src_slots, dst_pool, dst_slots, layers, non_blocking)
-Handler = Callable[[Any, list[int], Any, list[int], "tuple[int, ...] | None", bool], None]
+# handler(src_pool, dst_pool, transfers sorted by source slot, layers, non_blocking)
+Handler = Callable[[Any, Any, list[Transfer], "tuple[int, ...] | None", bool], None]
 
 
 class Executor:
@@ -44,12 +44,12 @@ class Executor:
             return
         try:
             nb = bool(self.pools[0].kv.is_cuda)
-            for (src, dst, own), (src_slots, dst_slots) in group(plan).items():
+            for (src, dst, own), transfers in group(plan).items():
                 handler = self.handlers.get((self.kinds[src], self.kinds[dst]))
                 if handler is None:
                     raise TransferError(f"no copy handler from a {self.kinds[src]!r} tier to "
                                         f"a {self.kinds[dst]!r} tier")
-                handler(self.pools[src], src_slots, self.pools[dst], dst_slots,
+                handler(self.pools[src], self.pools[dst], transfers,
                         own if layers is None else layers, nb)
         except TransferError:
             raise
@@ -70,9 +70,14 @@ class NullExecutor:
 
 
 # ---------------------------------------------------------------- handlers
-def gpu_to_host(src, src_slots, dst, dst_slots, layers, nb) -> None:
+def _slots(transfers: list[Transfer]) -> tuple[list[int], list[int]]:
+    return [t.src_slot for t in transfers], [t.dst_slot for t in transfers]
+
+
+def gpu_to_host(src, dst, transfers, layers, nb) -> None:
     from tiered_cache import kernels
 
+    src_slots, dst_slots = _slots(transfers)
     kernels.copy_blocks_to_host(src.kv, src_slots, dst.kv, dst_slots, non_blocking=nb)
     if src.scales is not None:
         # FP8 per-block scales travel with their blocks (gpu: [L, 2, S], host: [S, L, 2]).
@@ -82,9 +87,10 @@ def gpu_to_host(src, src_slots, dst, dst_slots, layers, nb) -> None:
                                                                    non_blocking=True)
 
 
-def host_to_gpu(src, src_slots, dst, dst_slots, layers, nb) -> None:
+def host_to_gpu(src, dst, transfers, layers, nb) -> None:
     from tiered_cache import kernels
 
+    src_slots, dst_slots = _slots(transfers)
     kernels.copy_blocks_to_gpu(src.kv, src_slots, dst.kv, dst_slots, layers=layers,
                                non_blocking=nb)
     if src.scales is not None:
@@ -95,8 +101,9 @@ def host_to_gpu(src, src_slots, dst, dst_slots, layers, nb) -> None:
                                                                    non_blocking=True)
 
 
-def within_pool(src, src_slots, dst, dst_slots, layers, nb) -> None:
+def within_pool(src, dst, transfers, layers, nb) -> None:
     """Slots to other slots of the same pool (compaction, shrink)."""
+    src_slots, dst_slots = _slots(transfers)
     # NOTE: advanced indexing on a uint8 view: CPU torch has no index ops for fp8.
     pool = src.kv.view(torch.uint8)
     if src.layout == "layer_major":
@@ -119,3 +126,5 @@ DEFAULT_HANDLERS: dict[tuple[str, str], Handler] = {
     ("gpu", "gpu"): within_pool,
     ("host", "host"): within_pool,
 }
+"""Memory tiers. A tier kind with its own pool registers its handlers beside these
+(`Executor.register`; the disk tier's are in data/disk_tier.py)."""

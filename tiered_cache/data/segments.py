@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import sys
 from collections.abc import Callable
 
 import psutil
@@ -32,13 +33,17 @@ import torch
 from tiered_cache.errors import CapacityError, TierUnavailableError
 
 PAGE = mmap.PAGESIZE
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+"""NOTE: Python's mmap module only exports MAP_NORESERVE from 3.13 on; without it the reserved
+address space is committed memory, and a process holding a few pools can no longer fork()
+(ENOMEM under the kernel's default heuristic overcommit). 0x4000 is its value on Linux."""
 
 
 class HostReservation:
     """`nbytes` of reserved host address space as a flat uint8 tensor."""
 
     def __init__(self, nbytes: int, *, pinned: bool = False) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE
         self._map = mmap.mmap(-1, max(PAGE, nbytes), flags=flags)
         if hasattr(mmap, "MADV_HUGEPAGE"):
             # Transparent huge pages where the kernel allows them: fewer TLB misses in copies.

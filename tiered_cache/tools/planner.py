@@ -74,12 +74,15 @@ class Plan:
 
 
 def make_plan(config: CacheConfig, gpu_free: int | None = None,
-              host_free: int | None = None) -> Plan:
-    """Blocks, bytes and tokens per tier. `gpu_free`/`host_free` are the free bytes that a `"%"`
-    capacity applies to (None: ask this machine)."""
+              host_free: int | None = None, disk_free: int | None = None) -> Plan:
+    """Blocks, bytes and tokens per tier. `gpu_free`/`host_free`/`disk_free` are the free bytes
+    that a `"%"` capacity applies to (None: ask this machine)."""
     block = config.block_bytes
     tiers = []
-    for name, free in (("gpu", gpu_free), ("host", host_free)):
+    names = [("gpu", gpu_free), ("host", host_free)]
+    if config.tiers.disk is not None:
+        names.append(("disk", disk_free))
+    for name, free in names:
         n = sizing.tier_num_blocks(config, name, free)
         tiers.append(TierPlan(name, n, n * block, n * config.block_size))
     notes = []
@@ -146,6 +149,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="free host memory that a '%%' host capacity applies to, e.g. 512GiB "
                              "(default: ask this machine)")
+    parser.add_argument("--disk-space", metavar="SIZE", type=command.absolute_size,
+                        default=None,
+                        help="free disk space that a '%%' disk capacity applies to, e.g. 2TiB "
+                             "(default: ask this machine, at tiers.disk.path)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -169,7 +176,11 @@ def main(args: argparse.Namespace) -> int:
                                       config.tiers.gpu.capacity)
             host_free = _free_override(args.host_memory, "--host-memory",
                                        config.tiers.host.capacity)
-            plan = make_plan(config, gpu_free=gpu_free, host_free=host_free)
+            disk = config.tiers.disk
+            disk_free = _free_override(args.disk_space, "--disk-space",
+                                       disk.capacity if disk is not None else None)
+            plan = make_plan(config, gpu_free=gpu_free, host_free=host_free,
+                             disk_free=disk_free)
     except TierUnavailableError as exc:
         raise ConfigError(source, f"{exc}; pass --gpu-memory SIZE to plan for a GPU this "
                                   "machine does not have") from None

@@ -40,7 +40,8 @@ examples:
 
 FLAGS = {
     "block_size": "--block-size", "tiers.gpu.num_blocks": "--gpu-blocks",
-    "tiers.host.num_blocks": "--host-blocks", "policy": "--policy",
+    "tiers.host.num_blocks": "--host-blocks", "tiers.disk.num_blocks": "--disk-blocks",
+    "policy": "--policy",
     "write_policy": "--write-policy", "model.num_layers": "--layers",
     "model.num_kv_heads": "--kv-heads", "model.num_q_heads": "--q-heads",
     "model.head_dim": "--head-dim", "model.dtype": "--dtype", "model.num_params": "--params",
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device tier blocks (required without --sweep)")
     parser.add_argument("--host-blocks", type=command.non_negative_int, default=0,
                         help="host tier blocks (0: a device-only cache)")
+    parser.add_argument("--disk-blocks", type=command.non_negative_int, default=0,
+                        help="disk tier blocks beneath host (0: none; needs --host-blocks); "
+                             "blocks reused at least once are admitted")
     parser.add_argument("--policy", default=DEFAULT_POLICY,
                         help="eviction policy, both tiers (belady is the offline reference)")
     parser.add_argument("--write-policy", default="write_back",
@@ -163,7 +167,8 @@ def main(args: argparse.Namespace) -> int:
     with command.config_errors(flags=FLAGS):
         report = replay(requests, gpu_blocks=args.gpu_blocks, host_blocks=args.host_blocks,
                         block_size=args.block_size, policy=args.policy, model=model,
-                        write_policy=args.write_policy, cost=cost, progress=progress)
+                        write_policy=args.write_policy, cost=cost, progress=progress,
+                        disk_blocks=args.disk_blocks)
     report["trace"] = name
     print(json.dumps(report) if args.json else format_report(report))
     return 0

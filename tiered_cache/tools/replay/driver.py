@@ -53,16 +53,19 @@ BASELINE_POLICY = "lru"
 
 def replay_config(*, block_size: int, gpu_blocks: int, host_blocks: int, policy: str,
                   model: dict[str, Any] | None = None,
-                  write_policy: str = "write_back") -> CacheConfig:
+                  write_policy: str = "write_back", disk_blocks: int = 0,
+                  disk_admit_min_hits: int = 1) -> CacheConfig:
     """The config of a storage-free cache for replay (ConfigError naming the key if a value is
-    bad)."""
+    bad). A disk tier needs a host tier above it."""
     from tiered_cache.config import CacheConfig
 
+    tiers: dict[str, Any] = {"gpu": {"num_blocks": gpu_blocks, "device": "cpu"},
+                             "host": {"num_blocks": host_blocks}}
+    if disk_blocks:
+        tiers["disk"] = {"num_blocks": disk_blocks, "admit_min_hits": disk_admit_min_hits}
     return CacheConfig.from_dict({
         "storage": "none", "block_size": block_size, "policy": policy,
-        "write_policy": write_policy, "model": dict(model or MODEL_70B),
-        "tiers": {"gpu": {"num_blocks": gpu_blocks, "device": "cpu"},
-                  "host": {"num_blocks": host_blocks}},
+        "write_policy": write_policy, "model": dict(model or MODEL_70B), "tiers": tiers,
         "migrator": {"enabled": False}, "compactor": {"enabled": False},
     })
 
@@ -95,13 +98,14 @@ def attach_oracle(cache: TieredKVCache,
 def replay(requests: Sequence[dict[str, Any]], *, gpu_blocks: int, host_blocks: int = 0,
            block_size: int = 512, policy: str = DEFAULT_POLICY,
            model: dict[str, Any] | None = None, write_policy: str = "write_back",
-           cost: CostModel | None = None, progress: bool = False) -> dict[str, Any]:
+           cost: CostModel | None = None, progress: bool = False,
+           disk_blocks: int = 0) -> dict[str, Any]:
     """Replay `requests` (dicts with `hash_ids`) through a storage-free cache; return the
     report (see `tiered-cache replay --help` and docs/replay.md for the keys)."""
     model = dict(model or MODEL_70B)
     config = replay_config(block_size=block_size, gpu_blocks=gpu_blocks,
                            host_blocks=host_blocks, policy=policy, model=model,
-                           write_policy=write_policy)
+                           write_policy=write_policy, disk_blocks=disk_blocks)
     cost = cost or CostModel.for_model(model)
     from tiered_cache.cache import TieredKVCache
 
@@ -178,6 +182,7 @@ def _replay(cache: TieredKVCache, config: CacheConfig, requests: Sequence[dict[s
         "block_size": bs,
         "gpu_blocks": gpu_blocks,
         "host_blocks": config.tiers.host.num_blocks if "host" in tier_names else 0,
+        "disk_blocks": config.tiers.disk.num_blocks if "disk" in tier_names else 0,
         "write_policy": config.write_policy,
         "requests": len(requests),
         "requested_blocks": requested,

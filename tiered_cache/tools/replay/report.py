@@ -27,7 +27,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"trace {r.get('trace', '?')}: {r['requests']} requests, {r['requested_blocks']} blocks "
         f"of {r['block_size']} tokens; policy {r['policy']}; gpu {r['gpu_blocks']} + host "
-        f"{r['host_blocks']} blocks ({r['block_bytes'] / 2**20:.0f} MiB each)",
+        f"{r['host_blocks']}" + (f" + disk {r['disk_blocks']}" if r.get("disk_blocks") else "")
+        + f" blocks ({r['block_bytes'] / 2**20:.0f} MiB each)",
         f"token hit rate      {r['token_hit_rate']:.4f}  (" + ", ".join(
             f"{t} {r['hit_rate_by_tier'][t]:.4f}" for t in tiers) + ")",
         "evictions           " + ", ".join(f"{t} {r['evictions'][t]}" for t in tiers)
