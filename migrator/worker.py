@@ -74,6 +74,7 @@ class Migrator:
         # disk write never holds up the device tier's demotion.
         self._lowering = [False] * len(index.tiers)
         self._paused = [0.0] * len(index.tiers)     # demotion out of tier i waits until then
+        self._copies: dict[tuple[int, int], list] = {}      # (src, dst) -> [blocks, seconds]
         for src in range(len(index.tiers) - 1):
             name = "tc-demoter" if src == 0 else f"tc-demoter-{index.tiers[src].name}"
             self._threads.append(threading.Thread(target=self._watch, args=(src,), name=name,
@@ -96,6 +97,22 @@ class Migrator:
         plan = moves.plan_copy_down(self.index, blocks, GPU, GPU + 1)
         if plan:
             self._submit(_Job(1, next(self._order), "write_through", plan))
+
+    def _account(self, src: int, dst: int, blocks: int, seconds: float) -> None:
+        """Blocks and seconds of finished copies, by tier pair (`copy_stats`)."""
+        with self._idle:
+            entry = self._copies.setdefault((src, dst), [0, 0.0])
+            entry[0] += blocks
+            entry[1] += seconds
+
+    def copy_stats(self) -> dict[str, dict[str, float]]:
+        """Per tier pair ("gpu->host", ...): blocks, bytes and seconds spent copying them (on
+        the copy threads, retries and device syncs included): the data path's own rate."""
+        names = [t.name for t in self.index.tiers]
+        bb = self.index.block_bytes
+        with self._idle:
+            return {f"{names[s]}->{names[d]}": {"blocks": n, "bytes": n * bb, "seconds": sec}
+                    for (s, d), (n, sec) in sorted(self._copies.items())}
 
     def poke(self) -> None:
         """Ask the demotion threads to look at their watermarks now."""
@@ -205,9 +222,14 @@ class Migrator:
         per_layer = max(1, len(to_device) * idx.block_bytes // num_layers)
         group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
         error: BaseException | None = None
+        t0 = time.perf_counter()
         try:
             if staged:
                 error = self._attempt("promotion", partial(self.executor.run, staged), stream)
+                if error is None:
+                    t1 = time.perf_counter()
+                    self._account(staged[0].src_tier, 1, len(staged), t1 - t0)
+                    t0 = t1
             for first in range(0, num_layers, group) if error is None else ():
                 layers = tuple(range(first, min(num_layers, first + group)))
                 error = self._attempt("promotion", partial(self.executor.run, to_device, layers),
@@ -219,6 +241,8 @@ class Migrator:
                     for layer in layers:
                         job.readiness.layer_done(layer, event)
             self._sync(stream)
+            if error is None and to_device:
+                self._account(to_device[0].src_tier, 0, len(to_device), time.perf_counter() - t0)
         except BaseException as exc:
             error = exc
             raise
@@ -261,8 +285,11 @@ class Migrator:
         stream = self._new_stream()
 
         def copy(plan):
+            t0 = time.perf_counter()
             error = self._attempt("demotion", partial(self.executor.run, plan), stream)
             self._sync(stream)
+            if error is None:
+                self._account(src, src + 1, len(plan), time.perf_counter() - t0)
             if _unavailable(error):
                 # NOTE: a full (or failing) disk degrades to "no more demotion into it" for a
                 # while; the tier above drops its victims meanwhile, requests never see it.

@@ -471,6 +471,7 @@ class TieredKVCache:
         out = self.index.stats()
         out["threads"] = self.health.summary()
         out["closed"] = self._closed
+        out["copies"] = self.migrator.copy_stats() if self.migrator is not None else {}
         for tier in self.index.tiers:
             if tier.persistent and not self._closed:
                 out["tiers"][tier.name]["pool"] = self.pools[tier.index].stats()
