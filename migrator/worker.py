@@ -50,12 +50,16 @@ class _Job:
     kind: str = field(compare=False)
     plan: list[Transfer] = field(compare=False)
     readiness: LayerReadiness | None = field(compare=False, default=None)
+    tier: int = field(compare=False, default=-1)            # "put": the keyed tier
 
 
 class Migrator:
     def __init__(self, index: BlockIndex, executor, config: MigratorConfig,
-                 health: ThreadHealth | None = None) -> None:
+                 health: ThreadHealth | None = None, *, put_tiers: list[int] = (),
+                 on_copy: Callable[[int, int, int, float], None] | None = None) -> None:
         self.index = index
+        self.put_tiers = list(put_tiers)        # keyed tiers blocks reaching host are put to
+        self.on_copy = on_copy
         self.executor = executor
         self.config = config
         self.health = health if health is not None else ThreadHealth()
@@ -104,11 +108,16 @@ class Migrator:
             entry = self._copies.setdefault((src, dst), [0, 0.0])
             entry[0] += blocks
             entry[1] += seconds
+        if self.on_copy is not None:
+            try:
+                self.on_copy(src, dst, blocks, seconds)
+            except Exception:  # noqa: BLE001 - accounting never fails a copy
+                self.health.record(log, "copy accounting")
 
     def copy_stats(self) -> dict[str, dict[str, float]]:
         """Per tier pair ("gpu->host", ...): blocks, bytes and seconds spent copying them (on
         the copy threads, retries and device syncs included): the data path's own rate."""
-        names = [t.name for t in self.index.tiers]
+        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed]
         bb = self.index.block_bytes
         with self._idle:
             return {f"{names[s]}->{names[d]}": {"blocks": n, "bytes": n * bb, "seconds": sec}
@@ -180,6 +189,8 @@ class Migrator:
                 if job.kind == "promotion":
                     jobs += self._more_promotions()
                     self._promote(jobs, stream)
+                elif job.kind == "put":
+                    self._put(job, stream)
                 else:
                     self._copy_down(job, stream)
             except Exception:               # never let a worker die: log, count, go on
@@ -250,13 +261,13 @@ class Migrator:
             # Whatever happened above, every waiter is told and every plan committed once.
             # NOTE: waiters learn of a failure before the commit frees the device slots, so a
             # reader that checks under the lock never reads a slot the commit released.
-            corrupt = frozenset(getattr(error, "slots", ()) or ())
+            failed = frozenset(getattr(error, "blocks", ()) or ())
             for job in jobs:
                 try:
                     if error is not None:
                         job.readiness.fail(error)
                 finally:
-                    idx.commit_promotion(job.plan, error is None, corrupt)
+                    idx.commit_promotion(job.plan, error is None, failed)
 
     def _copy_down(self, job: _Job, stream) -> None:
         """A write-through copy job."""
@@ -269,6 +280,25 @@ class Migrator:
             raise
         finally:
             moves.commit_copy_down(self.index, job.plan, error is None)
+        if error is None:
+            self.put_remote([t.block for t in job.plan])
+
+    def put_remote(self, blocks: list[int]) -> None:
+        """Blocks that now have a host copy go to the keyed tiers written on_host."""
+        for k in self.put_tiers:
+            plan = self.index.plan_puts(blocks, k)
+            if plan:
+                self._submit(_Job(2, next(self._order), "put", plan, tier=k))
+
+    def _put(self, job: _Job, stream) -> None:
+        error: BaseException | None = None
+        try:
+            error = self._attempt("put", partial(self.executor.run, job.plan), stream)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self.index.commit_puts(job.plan, job.tier, error is None)
 
     def _watch(self, src: int) -> None:
         """Demote tier `src` above the high watermark down to the low one, batch by batch,
@@ -323,6 +353,8 @@ class Migrator:
                     error = pending[1].result()
                     batch, pending = pending[0], None
                     moves.commit_demotion(idx, batch, error is None)
+                    if error is None and src == 0:
+                        self.put_remote([t.block for t in batch])
                     if not plan:
                         continue        # parents of the batch just committed may be
                                         # candidates now: plan again
@@ -398,7 +430,7 @@ class Migrator:
                 return None
             except Exception as exc:  # noqa: BLE001 - any copy failure is handled the same way
                 error = exc
-                if getattr(exc, "slots", None) or _unavailable(exc):
+                if getattr(exc, "blocks", None) or _unavailable(exc):
                     break                   # a corrupt record, a full disk: retrying cannot help
                 if attempt < self.config.max_retries:
                     self.index.count("transfer_retries")

@@ -217,7 +217,9 @@ for _tier in ("gpu", "host", "disk"):
     for _key in ("num_blocks", "max_num_blocks", "capacity"):
         RELATED[f"tiers.{_tier}.{_key}"].update({f"tiers.{_tier}", *_BLOCK_COUNTS})
 BASE = CacheConfig.from_dict({"tiers": {"gpu": {"device": "cpu", "num_blocks": 8},
-                                         "disk": {"path": "/tmp/x", "num_blocks": 8}}}).to_dict()
+                                         "disk": {"path": "/tmp/x", "num_blocks": 8},
+                                         "remote": {"url": "redis://127.0.0.1:6379/0"}}}
+                             ).to_dict()
 
 one_bad_value = st.one_of(
     st.sampled_from([10**400, -(10**400), BigInt(10**5000), float("inf"), float("nan"), 1e308]),

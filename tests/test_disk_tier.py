@@ -290,9 +290,8 @@ def test_a_cache_killed_mid_demotion_recovers_only_whole_blocks(tmp_path, delay)
 
 
 def test_replay_runs_with_a_disk_tier():
-    from tiered_cache.tools.workloads import generate
-
     from tiered_cache.tools.replay import replay
+    from tiered_cache.tools.workloads import generate
 
     reqs = generate("chat", 300, seed=0, block_size=16)
     out = replay(reqs, block_size=16, gpu_blocks=100, host_blocks=100, disk_blocks=2000,

@@ -14,6 +14,7 @@ land between an acquisition and its release; it is raised when the section ends.
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -48,6 +49,8 @@ from tiered_cache.errors import (
 )
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
 from tiered_cache.sizing import resolve_device, tier_num_blocks
+
+log = logging.getLogger("tiered_cache.cache")
 
 
 class TieredKVCache:
@@ -94,23 +97,33 @@ class TieredKVCache:
             return policy_cls(capacity, blocks=blocks, block_size=self.block_size,
                               cost_context_tokens=cost_ctx)
 
+        self.costs = self._cost_model(config, specs)
+        keyed_specs, self.stores = self._build_keyed(config, specs)
         self.index = BlockIndex(specs, policy=policy, block_size=self.block_size,
                                 num_layers=self.num_layers, hasher=self.hasher,
                                 block_bytes=self.block_bytes,
                                 verify_tokens=config.verify_tokens,
                                 write_through=config.write_policy == "write_through",
                                 run=self._run, on_pressure=self._poke,
-                                high_watermark=config.migrator.high_watermark)
+                                high_watermark=config.migrator.high_watermark,
+                                keyed=keyed_specs,
+                                worth=self._worth if self.costs is not None else None)
         from tiered_cache.data.executor import Executor, NullExecutor
 
-        self.executor = (Executor(self.pools, [s.kind for s in specs]) if self.has_storage
-                         else NullExecutor())
+        self.executor = (Executor(self.pools + self.stores,
+                                  [s.kind for s in specs + keyed_specs])
+                         if self.has_storage else NullExecutor())
         if any(s.persistent for s in specs):
             from tiered_cache.data import disk_tier
 
             for (src, dst), handler in disk_tier.HANDLERS.items():
                 self.executor.register(src, dst, handler)
             self._recover()
+        if self.stores:
+            from tiered_cache.data import remote_tier
+
+            for (src, dst), handler in remote_tier.HANDLERS.items():
+                self.executor.register(src, dst, handler)
         from tiered_cache.migrator import Compactor, Migrator, ThreadHealth
 
         self.health = ThreadHealth()
@@ -128,7 +141,14 @@ class TieredKVCache:
                 registry, config.metrics.http_port, config.metrics.http_addr)
         # Background data plane: only meaningful when there is data to move.
         if self.has_storage and config.migrator.enabled:
-            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health)
+            puts = [k for k, _ in enumerate(self.stores)
+                    if config.tiers.remote is not None and config.tiers.remote.write == "on_host"]
+            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
+                                     put_tiers=puts, on_copy=self._observe)
+            if puts:
+                migrator = self.migrator
+                self.index.on_copied = lambda tier, blocks: (
+                    migrator.put_remote(blocks) if tier == 1 else None)
         if self.has_storage and config.compactor.enabled:
             self.compactor = Compactor(self.index, self.executor, config.compactor,
                                        health=self.health)
@@ -189,6 +209,100 @@ class TieredKVCache:
                         num_tokens=self.block_size, namespace=self.hasher.namespace_digest(),
                         o_direct=disk.o_direct, max_slots=disk.max_num_blocks)
 
+    def _cost_model(self, config: CacheConfig, specs: list[TierSpec]):
+        """Load-vs-recompute estimates (tiered_cache.costs), when the model's size is known
+        (`model.num_params`): without it there is no prefill cost to compare with."""
+        cm, model = config.cost_model, config.model
+        if not (cm.enabled and self.has_storage and model.num_params):
+            return None
+        from tiered_cache.costs import CostModel, ModelFlops, TierCost
+
+        costs = CostModel(ModelFlops(model.num_params, model.num_layers, config.num_q_heads,
+                                     model.head_dim),
+                          prefill_tflops=cm.prefill_tflops, margin=cm.margin)
+        if any(s.kind == "disk" for s in specs):
+            costs.add_tier(TierCost("disk", latency_s=cm.disk_latency_ms / 1e3,
+                                    bandwidth_bps=cm.disk_bandwidth_gbps * 1e9))
+        remote = config.tiers.remote
+        if remote is not None:
+            costs.add_tier(TierCost("remote", latency_s=remote.latency_ms / 1e3,
+                                    bandwidth_bps=remote.bandwidth_gbps * 1e9))
+        return costs
+
+    def _observe(self, src: int, dst: int, blocks: int, seconds: float) -> None:
+        """A finished copy out of a slow slot tier (disk) feeds its cost estimates. (The remote
+        store feeds its own: each lookup's latency and each get's bandwidth.)"""
+        if self.costs is None or src >= len(self.index.tiers):
+            return
+        cost = self.costs.tiers.get(self.index.tiers[src].name)
+        if cost is not None and dst == 1:
+            cost.observe(blocks * self.block_bytes, seconds, blocks)
+
+    def _worth(self, tier: int, nblocks: int, context_blocks: int) -> bool:
+        """Whether loading `nblocks` from tier `tier` beats recomputing them (BlockIndex asks
+        for disk-only blocks; open() for keyed tiers)."""
+        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed]
+        cost = self.costs.tiers.get(names[tier]) if self.costs is not None else None
+        if cost is None:
+            return True
+        bs = self.block_size
+        return self.costs.worth_loading(cost, nblocks=nblocks, nbytes=nblocks * self.block_bytes,
+                                        num_tokens=nblocks * bs, context_tokens=context_blocks * bs)
+
+    def _build_keyed(self, config: CacheConfig, specs: list[TierSpec]) -> tuple[list, list]:
+        """The remote tier (a shared Redis/Valkey store), if configured."""
+        remote = config.tiers.remote
+        if remote is None:
+            return [], []
+        if not self.has_storage:
+            raise ConfigError("tiers.remote", "needs storage: tensors (a metadata-only cache "
+                                              "has no KV to share)")
+        if len(specs) < 2 or specs[1].kind != "host":
+            raise ConfigError("tiers.remote", "needs a host tier (tiers.host with num_blocks > "
+                                              "0): records are staged through it")
+        if not config.migrator.enabled:
+            raise ConfigError("tiers.remote", "needs the migrator (migrator.enabled: true): "
+                                              "only its background threads load and store")
+        import os
+
+        from tiered_cache import records
+        from tiered_cache.data.remote_tier import RemoteTier
+        from tiered_cache.stores.base import StoreUnavailableError
+
+        try:
+            from tiered_cache.stores.redis import RedisStore
+        except ImportError as exc:
+            raise ConfigError("tiers.remote", f"needs redis-py: pip install "
+                                              f"'tiered-cache[remote]' ({exc})") from None
+        password = remote.password
+        if remote.password_env is not None:
+            password = os.environ.get(remote.password_env)
+            if password is None:
+                raise ConfigError("tiers.remote.password_env",
+                                  f"environment variable {remote.password_env!r} is not set")
+        url = remote.url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
+        host = self.pools[1]
+        payload = self.block_bytes
+        kw = dict(namespace=self.hasher.namespace_digest(), num_tokens=self.block_size,
+                  cluster=remote.cluster, username=remote.username, password=password,
+                  ssl_ca_certs=remote.tls_ca, ssl_certfile=remote.tls_cert,
+                  ssl_keyfile=remote.tls_key, ssl_check_hostname=remote.tls_check_hostname,
+                  prefix=remote.prefix,
+                  ttl_s=int(remote.ttl_s) if remote.ttl_s is not None else None,
+                  put_queue_bytes=remote.put_queue_mib << 20,
+                  record_bytes=records.header_len(self.block_size) + payload,
+                  cost=self.costs.tiers.get("remote") if self.costs is not None else None)
+        try:
+            store = RedisStore(url, verify=True, **kw)
+        except StoreUnavailableError as exc:
+            # NOTE: an unreachable server is not a reason not to serve: the cache starts on its
+            # local tiers and the store's breaker probes the server again later.
+            log.warning("tiers.remote: %s; serving from the local tiers until it answers", exc)
+            store = RedisStore(url, verify=False, **kw)
+        pool = RemoteTier(store, host_kv=host.kv, host_scales=host.scales,
+                          namespace=self.hasher.namespace_digest())
+        return [TierSpec("remote", "remote", 0)], [pool]
+
     def _recover(self) -> None:
         """Rebuild the index entries of every record a persistent tier holds (a restart)."""
         for tier in self.index.tiers:
@@ -235,6 +349,9 @@ class TieredKVCache:
                     pool.save_hits(*self.index.copies_with_hits(tier.index))
                 finally:
                     pool.close()
+        for store in self.stores:
+            store.store.flush(5.0)
+            store.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
             server.shutdown()
@@ -268,6 +385,8 @@ class TieredKVCache:
                 with atomic():
                     seq = self.index.open(tokens, salt=salt, adapter_id=adapter_id,
                                           reserve_last=reserve_last, promote=self._promote)
+                    if self.stores and not interrupt_pending():
+                        self._load_keyed(seq)
                     if interrupt_pending():
                         # The caller will never see `seq`: give it back before raising.
                         self.index.close(seq)
@@ -279,6 +398,35 @@ class TieredKVCache:
                     raise
             time.sleep(0.0005)
             self._check_alive()
+
+    def _load_keyed(self, seq: Sequence) -> None:
+        """After the local match: which of the next blocks the shared store holds (under the
+        lookup deadline, outside the lock), and, if loading them beats recomputing, load them
+        (`BlockIndex.extend`). A slow, dead or empty store costs at most the deadline."""
+        from tiered_cache.core.keyed import leading
+
+        m, last, n = self.index.loadable(seq)
+        remote = self.config.tiers.remote
+        n = min(n, remote.lookahead_blocks)
+        if not n:
+            return
+        data = seq.token_ids.tobytes()
+        nbytes = self.block_size * 4
+        keys, key = [], last
+        for i in range(m, m + n):
+            key = self.hasher.key(key, data[i * nbytes:(i + 1) * nbytes])
+            keys.append(key)
+        for k, store in enumerate(self.stores):
+            # NOTE: asked even while its breaker is open: it answers "absent" at once then,
+            # and lets one probe through after each backoff, which is how it comes back.
+            r = leading(store.exists(seq.root, keys, remote.lookup_deadline_ms / 1e3))
+            if not r:
+                continue
+            if self.costs is not None and not self._worth(self.index.keyed[k].index, r, m):
+                self.index.note_skipped(k)
+                continue
+            if self.index.extend(seq, k, keys[:r], self._promote):
+                return
 
     def can_open(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
@@ -475,6 +623,10 @@ class TieredKVCache:
         for tier in self.index.tiers:
             if tier.persistent and not self._closed:
                 out["tiers"][tier.name]["pool"] = self.pools[tier.index].stats()
+        for keyed, store in zip(self.index.keyed, self.stores):
+            out["tiers"][keyed.name]["store"] = store.stats()
+        if self.costs is not None:
+            out["cost_model"] = {name: c.snapshot() for name, c in self.costs.tiers.items()}
         return out
 
     def resize(self, tier: str, num_blocks: int, *, timeout: float | None = 30.0) -> int:

@@ -450,22 +450,100 @@ class DiskTierConfig(_Section):
         _non_negative_int(self._key("admit_min_hits"), self.admit_min_hits, 1 << 20)
 
 
+_URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
+REMOTE_WRITES = ("on_host", "off")
+
+
+@dataclass
+class RemoteTierConfig(_Section):
+    """A shared keyed store (Redis or Valkey, standalone or cluster) beneath the slot tiers:
+    consulted after a local miss under a hard deadline, loaded from in the background, written
+    in the background. The server alone evicts (its maxmemory policy)."""
+
+    _PATH: ClassVar[str] = "tiers.remote"
+
+    url: str | None = None
+    """redis://host:port/db, or rediss:// for TLS (valkey:// and valkeys:// alike)."""
+    cluster: bool = False
+    """Redis Cluster: keys spread over the masters by the cluster's own slot hashing."""
+    username: str | None = None
+    password: str | None = None
+    """Prefer password_env: a password in a YAML file is readable by whoever reads the file."""
+    password_env: str | None = None
+    """Name of an environment variable holding the password."""
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_check_hostname: bool = True
+    prefix: str = "tc"
+    """First part of every server key: tc:v1:<namespace>:<tenant root>:<block key>."""
+    ttl_s: float | None = None
+    """Expire values after this many seconds (null: only the server's eviction removes them)."""
+    lookup_deadline_ms: float = 5.0
+    """Hard deadline of the existence check in open(): a slow or dead server answers "absent"
+    after it, so open() never waits longer for this tier."""
+    lookahead_blocks: int = 256
+    """Most blocks past the local match one open() looks up."""
+    write: str = "on_host"
+    """on_host: blocks that reach the host tier are put to the store in the background; off:
+    this cache only reads."""
+    put_queue_mib: int = 256
+    """Bound of the background put queue (what does not fit is dropped and counted)."""
+    latency_ms: float = 1.0
+    """Prior of the load cost model until the tier has been measured."""
+    bandwidth_gbps: float = 1.0
+    """Prior of the load cost model until the tier has been measured."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not self.url.startswith(_URL_SCHEMES) \
+                or not self.url.isprintable() or len(self.url) > 2048:
+            raise ConfigError(self._key("url"), f"expected a URL like redis://host:6379/0 "
+                                                f"(or rediss://), got {short_repr(self.url)}")
+        _bool(self._key("cluster"), self.cluster)
+        _bool(self._key("tls_check_hostname"), self.tls_check_hostname)
+        for key in ("username", "password", "password_env", "tls_ca", "tls_cert", "tls_key"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v or len(v) > 4096
+                                  or "\0" in v):
+                shown = "***" if key == "password" else short_repr(v)
+                raise ConfigError(self._key(key), f"expected a string or null, got {shown}")
+        if self.password is not None and self.password_env is not None:
+            raise ConfigError(self._key("password"), "set password or password_env, not both")
+        if not isinstance(self.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,32}",
+                                                                 self.prefix):
+            raise ConfigError(self._key("prefix"), f"expected 1-32 letters, digits, '_', '.' "
+                                                   f"or '-', got {short_repr(self.prefix)}")
+        if self.ttl_s is not None:
+            self.ttl_s = _positive_number(self._key("ttl_s"), self.ttl_s, 365 * 86400)
+        self.lookup_deadline_ms = _positive_number(self._key("lookup_deadline_ms"),
+                                                   self.lookup_deadline_ms, 60_000)
+        _positive_int(self._key("lookahead_blocks"), self.lookahead_blocks, 1 << 20)
+        _choice(self._key("write"), self.write, REMOTE_WRITES)
+        _positive_int(self._key("put_queue_mib"), self.put_queue_mib, 1 << 20)
+        self.latency_ms = _positive_number(self._key("latency_ms"), self.latency_ms, 60_000)
+        self.bandwidth_gbps = _positive_number(self._key("bandwidth_gbps"),
+                                               self.bandwidth_gbps, 10_000)
+
+
 @dataclass
 class TiersConfig(_Section):
     _PATH: ClassVar[str] = "tiers"
     _NESTED: ClassVar[dict[str, type]] = {"gpu": GpuTierConfig, "host": HostTierConfig,
-                                          "disk": DiskTierConfig}
+                                          "disk": DiskTierConfig, "remote": RemoteTierConfig}
 
     gpu: GpuTierConfig = field(default_factory=lambda: GpuTierConfig(num_blocks=256))
     host: HostTierConfig = field(default_factory=lambda: HostTierConfig(num_blocks=1024))
     disk: DiskTierConfig | None = None
     """Optional; absent (or null): no disk tier."""
+    remote: RemoteTierConfig | None = None
+    """Optional; absent (or null): no remote tier."""
 
     def __post_init__(self) -> None:
         self._nested("gpu")
         self._nested("host")
-        if self.disk is not None:
-            self._nested("disk")
+        for name in ("disk", "remote"):
+            if getattr(self, name) is not None:
+                self._nested(name)
 
 
 @dataclass
@@ -523,6 +601,34 @@ class CompactorConfig(_Section):
 
 
 @dataclass
+class CostModelConfig(_Section):
+    """Load or recompute (tiered_cache.costs): a block only in a slow tier (disk, remote) is
+    loaded only when that is faster than prefilling its tokens again."""
+
+    _PATH: ClassVar[str] = "cost_model"
+
+    enabled: bool = True
+    prefill_tflops: float = 400.0
+    """Achieved prefill throughput of the serving GPU(s), times the tensor-parallel degree."""
+    margin: float = 1.1
+    """A load must beat recompute by this factor."""
+    disk_latency_ms: float = 0.2
+    """Prior for the disk tier until measured."""
+    disk_bandwidth_gbps: float = 2.0
+    """Prior for the disk tier until measured."""
+
+    def __post_init__(self) -> None:
+        _bool(self._key("enabled"), self.enabled)
+        self.prefill_tflops = _positive_number(self._key("prefill_tflops"),
+                                               self.prefill_tflops, 1e6)
+        self.margin = _positive_number(self._key("margin"), self.margin, 100.0)
+        self.disk_latency_ms = _positive_number(self._key("disk_latency_ms"),
+                                                self.disk_latency_ms, 60_000)
+        self.disk_bandwidth_gbps = _positive_number(self._key("disk_bandwidth_gbps"),
+                                                    self.disk_bandwidth_gbps, 10_000)
+
+
+@dataclass
 class KernelsConfig(_Section):
     _PATH: ClassVar[str] = "kernels"
 
@@ -569,6 +675,7 @@ class CacheConfig(_Section):
     _NESTED: ClassVar[dict[str, type]] = {
         "model": ModelConfig, "tiers": TiersConfig, "migrator": MigratorConfig,
         "compactor": CompactorConfig, "kernels": KernelsConfig, "metrics": MetricsConfig,
+        "cost_model": CostModelConfig,
     }
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -590,6 +697,7 @@ class CacheConfig(_Section):
     compactor: CompactorConfig = field(default_factory=CompactorConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
 
     def __post_init__(self) -> None:
         self._nested("model")
@@ -604,7 +712,7 @@ class CacheConfig(_Section):
         _bool("allow_non_finite_kv", self.allow_non_finite_kv)
         _choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
-        for name in ("migrator", "compactor", "kernels", "metrics"):
+        for name in ("migrator", "compactor", "kernels", "metrics", "cost_model"):
             self._nested(name)
 
     def _check_tier_bytes(self) -> None:
@@ -889,6 +997,13 @@ compactor:
 kernels:
   attention_backend: auto # auto (triton on CUDA, torch otherwise) | triton | torch
   missing_blocks: zero_copy  # zero_copy: read host blocks in place | wait: wait for promotion
+
+cost_model:
+  enabled: true           # load a block from disk/remote only when faster than recomputing it
+  prefill_tflops: 400.0   # achieved prefill TFLOPS of the serving GPU(s) (x tensor parallel)
+  margin: 1.1             # a load must beat recompute by this factor
+  disk_latency_ms: 0.2    # disk priors until measured
+  disk_bandwidth_gbps: 2.0
 
 metrics:
   http_port: null         # null: never start an HTTP server; else the Prometheus port

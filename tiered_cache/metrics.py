@@ -49,7 +49,8 @@ class CacheCollector(Collector):
         used = GaugeMetricFamily(f"{PREFIX}_used_blocks", "Slots holding a block", labels=["tier"])
         pinned = GaugeMetricFamily(f"{PREFIX}_pinned_blocks",
                                    "Blocks in the tier that open sequences use", labels=["tier"])
-        for name, t in s["tiers"].items():
+        slot_tiers = {name: t for name, t in s["tiers"].items() if "capacity_blocks" in t}
+        for name, t in slot_tiers.items():
             evictions.add_metric([name], t["evictions"])
             capacity.add_metric([name], t["capacity_blocks"])
             used.add_metric([name], t["used_blocks"])
@@ -85,16 +86,42 @@ class CacheCollector(Collector):
         frag = GaugeMetricFamily(f"{PREFIX}_fragmentation",
                                  "Free slots below the highest used slot / used slots",
                                  labels=["tier"])
-        for name, t in s["tiers"].items():
+        for name, t in slot_tiers.items():
             frag.add_metric([name], t["fragmentation"])
         corrupt = CounterMetricFamily(f"{PREFIX}_corrupt_blocks",
                                       "Persisted records that failed verification (dropped: a "
                                       "miss, never data)", labels=["tier"])
-        for name, t in s["tiers"].items():
+        for name, t in slot_tiers.items():
             corrupt.add_metric([name], t["corrupt_blocks"])
         recovered = CounterMetricFamily(f"{PREFIX}_recovered_blocks",
                                         "Blocks rebuilt from persisted records at start-up")
         recovered.add_metric([], s["recovered_blocks"])
+        keyed = {name: t for name, t in s["tiers"].items() if "store" in t}
+        loaded = CounterMetricFamily(f"{PREFIX}_loaded_blocks",
+                                     "Blocks loaded from a shared store (remote)", labels=["tier"])
+        load_failed = CounterMetricFamily(f"{PREFIX}_load_failures",
+                                          "Blocks a store said it held but could not return "
+                                          "whole and verified (a miss)", labels=["tier"])
+        skipped = CounterMetricFamily(f"{PREFIX}_skipped_loads",
+                                      "Loads not made: recomputing was cheaper (cost model)",
+                                      labels=["tier"])
+        put = CounterMetricFamily(f"{PREFIX}_put_blocks",
+                                  "Blocks handed to a shared store's background writer",
+                                  labels=["tier"])
+        store_errors = CounterMetricFamily(f"{PREFIX}_store_errors",
+                                           "Failed or timed-out calls to a shared store",
+                                           labels=["tier"])
+        store_up = GaugeMetricFamily(f"{PREFIX}_store_available",
+                                     "1 while the store's circuit breaker is closed",
+                                     labels=["tier"])
+        for name, t in keyed.items():
+            loaded.add_metric([name], t["loaded_blocks"])
+            load_failed.add_metric([name], t["load_failures"])
+            skipped.add_metric([name], t["skipped_loads"])
+            put.add_metric([name], t["put_blocks"])
+            store_errors.add_metric([name], t["store"]["errors"] + t["store"]["timeouts"])
+            store_up.add_metric([name], 1.0 if t["store"]["available"] else 0.0)
+        skipped.add_metric(["disk"], s["skipped_loads"])
         degraded = CounterMetricFamily(f"{PREFIX}_degraded_evictions",
                                        "Evicted blocks dropped instead of demoted because the "
                                        "copy down failed (a miss later, never an error)")
@@ -110,7 +137,8 @@ class CacheCollector(Collector):
         index = self.index
         yield from (query, hit, evictions, capacity, used, pinned, moves, moved_bytes,
                     collisions, cached, open_seqs, failures, retries, sync, compaction, frag,
-                    degraded, background, alive, corrupt, recovered,
+                    degraded, background, alive, corrupt, recovered, loaded, load_failed,
+                    skipped, put, store_errors, store_up,
                     _histogram("lock_hold_seconds", "Control-plane lock hold time, per hold",
                                index.lock.holds),
                     _histogram("lookup_seconds", "Time of open(): prefix match, pin, reserve",

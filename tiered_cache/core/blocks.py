@@ -49,6 +49,7 @@ class BlockTable:
         ("inserted_at", "q", 0),        # logical clock of publication
         ("root_id", "i", -1),           # depth-0 blocks: namespace + salt they were made under
         ("published", "B", 0),          # 1 while in the prefix index (key is not None)
+        ("stored", "B", 0),             # bit k: put to keyed tier k (remote) by this process
         ("candidate", "B", 0),          # bit t: a candidate of tier t's policy (invariant 4)
         ("busy_tiers", "B", 0),         # bit t: a move in flight reads the copy in tier t
         ("first_child", "i", NO_BLOCK),     # published children, as a doubly linked list
@@ -88,6 +89,7 @@ class BlockTable:
         self.hits[b] = 0
         self.key[b] = None
         self.published[b] = 0
+        self.stored[b] = 0
         self.num_live += 1
         return b
 

@@ -148,6 +148,8 @@ class Eviction:
                 else:
                     self.counters.demotions += len(plan)
                     self.counters.demotion_bytes += len(plan) * self.block_bytes
+                    if self.on_copied is not None:
+                        self.on_copied(plan[0].dst_tier, [p.block for p in plan])
 
     def _pick_victims(self, t: int, below: int | None, need: Callable[[], int],
                       plan: list[Transfer]) -> None:

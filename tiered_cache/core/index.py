@@ -42,11 +42,12 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
+from tiered_cache.core.keyed import KeyedOps
 from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import BROKEN, Sequence
 from tiered_cache.core.slots import SlotOps
-from tiered_cache.core.tier import TierSpec, TierState
+from tiered_cache.core.tier import KeyedState, TierSpec, TierState
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import (
     BusySequenceError,
@@ -61,6 +62,9 @@ from tiered_cache.policies.base import CachePolicy
 PolicyFactory = Callable[[int, BlockTable], CachePolicy]
 Run = Callable[[list[Transfer]], None]
 Promote = Callable[[list[Transfer], LayerReadiness], None]
+Worth = Callable[[int, int, int], bool]
+"""worth(tier, nblocks, context_blocks): loading nblocks from that tier beats recomputing them
+after context_blocks cached blocks (tiered_cache.costs)."""
 
 DEVICE = 0
 """The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
@@ -89,6 +93,7 @@ class Counters:
     degraded_evictions: int = 0
     corrupt_blocks: int = 0
     recovered_blocks: int = 0
+    skipped_loads: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -127,12 +132,13 @@ def _mutator(fn):
     return wrapper
 
 
-class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
+class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
     def __init__(self, specs: list[TierSpec], *, policy: PolicyFactory, block_size: int,
                  num_layers: int, hasher: BlockHasher, block_bytes: int = 0,
                  verify_tokens: bool = True, write_through: bool = False,
                  run: Run | None = None, on_pressure: Callable[[], None] | None = None,
-                 high_watermark: float = 1.0) -> None:
+                 high_watermark: float = 1.0, keyed: list[TierSpec] = (),
+                 worth: Worth | None = None) -> None:
         if not specs:
             raise ValueError("a cache needs at least a device tier")
         self.block_size = block_size
@@ -152,6 +158,9 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
                                         admit_min_hits=spec.admit_min_hits))
+        self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k)
+                      for k, spec in enumerate(keyed)]
+        self.worth = worth
         self.prefix: dict[bytes, int] = {}
         self.root_keys: dict[int, bytes] = {}          # root id -> root key (records name it)
         self.pending: dict[int, LayerReadiness] = {}    # block -> its promotion into tier 0
@@ -162,6 +171,9 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
         self.clock = 0
         self.run: Run = run if run is not None else _no_copy
         self.on_pressure = on_pressure
+        self.on_copied: Callable[[int, list[int]], None] | None = None
+        """Told (lock held) of blocks a synchronous eviction demoted into a tier, so the data
+        plane can follow up (a put to a shared store)."""
         self.high_watermark = high_watermark
         self._open: dict[int, Sequence] = {}
         self._readers_done = threading.Condition()   # end_read -> close waiting for it
@@ -223,8 +235,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
             return {
                 **c,
                 "hit_rate": c["hit_tokens"] / q if q else 0.0,
-                "hit_tokens_by_tier": {t.name: t.hit_tokens for t in self.tiers},
-                "tiers": {t.name: t.stats() for t in self.tiers},
+                "hit_tokens_by_tier": {t.name: t.hit_tokens for t in self.tiers + self.keyed},
+                "tiers": {t.name: t.stats() for t in self.tiers + self.keyed},
                 "lock_hold": self.lock.holds.summary(),
                 "lookup": self.lookups.summary(),
                 "cached_blocks": len(self.prefix),
@@ -252,6 +264,9 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
         if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
             matched.pop()
             seq.keys.pop()
+        seq.reserve_last = reserve_last
+        if self.worth is not None and matched:
+            self._trim_slow(seq, matched)
         survey = self._survey(matched)
         promote_ids = survey.promote
         need = len(promote_ids) + -(-len(tokens) // self.block_size) - len(matched)
@@ -296,6 +311,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
         for tier, n in zip(self.tiers, served):
             tier.hit_tokens += bs * n
             by_tier[tier.name] = bs * n
+        for keyed in self.keyed:
+            by_tier[keyed.name] = 0
         cached = len(matched) * bs
         seq.blocks = matched
         seq.chain = matched[-1] if matched else NO_BLOCK
@@ -656,6 +673,25 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence):
             self._unpin(b)
             self._release(b)
             seq.chain = existing
+
+    def _trim_slow(self, seq: Sequence, matched: list[int]) -> None:
+        """Drop the matched blocks that only a slow tier holds (disk) when loading them would
+        take longer than recomputing them (the cost model): a miss, never a stall.
+
+        NOTE: leaves leave each tier first, so the blocks only a slower tier holds are a
+        suffix of the match."""
+        fastest = self.blocks.fastest_tier
+        tiers = self.tiers
+        i = len(matched)
+        while i and tiers[fastest(matched[i - 1])].persistent:
+            i -= 1
+        if i == len(matched):
+            return
+        tier = fastest(matched[i])
+        if not self.worth(tier, len(matched) - i, i):
+            del matched[i:]
+            del seq.keys[i:]
+            self.counters.skipped_loads += 1
 
     # ------------------------------------------------------------------ new blocks
     def _hint(self, seq: Sequence) -> int | None:

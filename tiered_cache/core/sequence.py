@@ -50,6 +50,7 @@ class Sequence:
         self.readers = 0                        # attention calls reading its blocks right now
         self.closed = False
         self.collided = False                   # open() met a key whose block differed
+        self.reserve_last = False               # open(reserve_last=True): last token uncached
 
     @property
     def block_ids(self) -> tuple[int, ...]:

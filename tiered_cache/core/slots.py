@@ -206,11 +206,13 @@ class SlotOps:
         return plan
 
     def commit_promotion(self, plan: list[Transfer], ok: bool,
-                         corrupt: frozenset[int] | set[int] = frozenset()) -> None:
+                         failed: frozenset[int] | set[int] = frozenset()) -> None:
         """A promotion's copy finished (ok) or was given up: the device copy stays, or is
-        released (the slower copy stays valid). A staged record that failed verification
-        (`corrupt`: its source slots) also loses that copy, and is counted."""
+        released (the slower copy stays valid). Blocks in `failed` could not be read from
+        their source: a disk record that failed verification loses that copy and is counted;
+        a keyed tier's value that was gone or corrupt is counted."""
         with atomic(), self.lock:
+            n_slot = len(self.tiers)
             for p in plan:
                 b = p.block
                 if p.dst_tier != DEVICE:        # the host staging slot of a disk record
@@ -219,10 +221,13 @@ class SlotOps:
                         self.set_slot(b, p.dst_tier, p.dst_slot)
                     else:
                         self.free_slot(p.dst_tier, p.dst_slot)
-                    if p.src_slot in corrupt and self._slots[p.src_tier][b] == p.src_slot:
-                        self.counters.corrupt_blocks += 1
-                        self.tiers[p.src_tier].corrupt += 1
-                        self.clear_slot(b, p.src_tier)
+                    if b in failed:
+                        if p.src_tier >= n_slot:
+                            self.keyed[p.src_tier - n_slot].load_failures += 1
+                        elif self._slots[p.src_tier][b] == p.src_slot:
+                            self.counters.corrupt_blocks += 1
+                            self.tiers[p.src_tier].corrupt += 1
+                            self.clear_slot(b, p.src_tier)
                     continue
                 self.pending.pop(b, None)
                 if ok:

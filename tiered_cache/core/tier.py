@@ -73,3 +73,25 @@ class TierState:
             "fragmentation": self.allocator.fragmentation(),
             "corrupt_blocks": self.corrupt,
         }
+
+
+@dataclass(eq=False)
+class KeyedState:
+    """A keyed tier (a shared store beneath the slot tiers: remote): no slots, no policy (the
+    store evicts on its own); the index only counts what it served and records what it put.
+    `index` is its position among all tiers (after the slot tiers): transfers name it."""
+
+    name: str
+    kind: str
+    index: int
+    position: int                   # k: the bit of BlockTable.stored that says "put here"
+    hit_tokens: int = 0
+    loads: int = 0                  # blocks loaded from it
+    load_failures: int = 0          # blocks it was asked for that it could not return
+    skipped: int = 0                # lookups skipped: recomputing was cheaper than loading
+    puts: int = 0                   # blocks handed to it
+
+    def stats(self) -> dict[str, int]:
+        return {"hit_tokens": self.hit_tokens, "loaded_blocks": self.loads,
+                "load_failures": self.load_failures, "skipped_loads": self.skipped,
+                "put_blocks": self.puts}

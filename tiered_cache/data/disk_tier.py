@@ -31,11 +31,12 @@ log = logging.getLogger(__name__)
 
 
 class CorruptBlocks(TransferError):
-    """Records of a disk read failed verification: a miss for those blocks, never data."""
+    """Blocks whose records could not be read (failed verification, or gone from a store): a
+    miss for those blocks, never data. `blocks` names them (block ids)."""
 
-    def __init__(self, slots: list[int], reason: str) -> None:
-        self.slots = slots
-        super().__init__(f"{len(slots)} disk record(s) failed verification: {reason}")
+    def __init__(self, blocks: list[int], reason: str) -> None:
+        self.blocks = blocks
+        super().__init__(f"{len(blocks)} block record(s) unusable: {reason}")
 
 
 class DiskTier:
@@ -139,8 +140,9 @@ class DiskTier:
             self._hashes[slot] = np.frombuffer(header.payload_hash, dtype=np.uint8)
             self._hits[slot] = header.hits
 
-    def read(self, slots: list[int], outs: list) -> None:
-        """Verified payloads of `slots` into `outs`; CorruptBlocks names those that fail."""
+    def read(self, slots: list[int], outs: list) -> list[int]:
+        """Verified payloads of `slots` into `outs`; returns the slots that failed (their outs
+        hold garbage; their records are erased)."""
         headers = [self._header(s) for s in slots]
         try:
             self.pool.read_many(slots, headers, outs)
@@ -152,7 +154,8 @@ class DiskTier:
                 self.erase(bad)
             except Exception:  # noqa: BLE001 - the slots are dropped either way
                 log.exception("tiers.disk: erasing corrupt records failed")
-            raise CorruptBlocks(bad, str(exc)) from exc
+            return bad
+        return []
 
     def _header(self, slot: int) -> RecordHeader:
         # Only the namespace, geometry and payload hash take part in a payload check.
@@ -204,13 +207,16 @@ def disk_to_host(src: DiskTier, dst, transfers: list[Transfer], layers, nb) -> N
     src_slots = [t.src_slot for t in transfers]
     if dst.scales is None:
         outs = [dst.kv[t.dst_slot].view(torch.uint8).numpy().reshape(-1) for t in transfers]
-        src.read(src_slots, outs)
-        return
-    outs = [np.empty(src.kv_bytes + src.scale_bytes, dtype=np.uint8) for _ in transfers]
-    src.read(src_slots, outs)
-    for t, buf in zip(transfers, outs):
-        dst.kv[t.dst_slot].view(torch.uint8).numpy().reshape(-1)[:] = buf[:src.kv_bytes]
-        dst.scales[t.dst_slot].view(torch.uint8).numpy().reshape(-1)[:] = buf[src.kv_bytes:]
+        bad = set(src.read(src_slots, outs))
+    else:
+        outs = [np.empty(src.kv_bytes + src.scale_bytes, dtype=np.uint8) for _ in transfers]
+        bad = set(src.read(src_slots, outs))
+        for t, buf in zip(transfers, outs):
+            dst.kv[t.dst_slot].view(torch.uint8).numpy().reshape(-1)[:] = buf[:src.kv_bytes]
+            dst.scales[t.dst_slot].view(torch.uint8).numpy().reshape(-1)[:] = buf[src.kv_bytes:]
+    if bad:
+        raise CorruptBlocks([t.block for t in transfers if t.src_slot in bad],
+                            f"disk slots {sorted(bad)[:8]} failed verification")
 
 
 HANDLERS = {

@@ -1,0 +1,172 @@
+"""Keyed tiers (a shared store: Redis, Valkey) in the control plane (part of `BlockIndex`).
+
+A keyed tier has no slots: the control plane never knows what it holds. After `open()` has
+matched what the local tiers hold, the facade asks the store (outside the lock, under a hard
+deadline) which of the next blocks it has; `extend` then turns that many of the sequence's
+fresh private blocks into blocks *being loaded*: published under their keys, pinned, in flight,
+with a plan that fetches each record into a host staging slot (verified) and copies it to the
+block's device slot layer by layer, like a promotion. Another sequence that matches them waits
+on the same readiness. A load that fails (the server evicted the value meanwhile, it failed
+verification, the server went away) fails the promotion: its waiters get TransferError and
+the blocks, which then hold no valid copy, leave the index.
+
+Writing to the store (`plan_puts`) copies blocks that have a host copy, in the background;
+`BlockTable.stored` remembers what this process has put, so a block is put once.
+
+A mixin of `BlockIndex` (core/index.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tiered_cache.core.atomic import atomic
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.core.readiness import LayerReadiness
+from tiered_cache.core.sequence import Sequence
+from tiered_cache.core.transfer import RecordMeta, Transfer
+
+DEVICE, HOST = 0, 1
+
+
+class KeyedOps:
+    def loadable(self, seq: Sequence) -> tuple[int, bytes, int]:
+        """(first block a keyed tier could add, key of the block before it (the root key at
+        depth 0), how many full blocks follow) for a sequence `open` just returned; (0, b"", 0)
+        when there is nothing to look up. Lock held by the caller or not: reads the handle."""
+        bs = self.block_size
+        m = seq.num_cached_tokens // bs
+        full = seq.num_tokens // bs
+        if seq.reserve_last and full * bs >= seq.num_tokens:
+            full -= 1               # the last token stays for the engine to compute
+        if full <= m or any(w != m * bs for w in seq.written):
+            return 0, b"", 0
+        last = seq.keys[m - 1] if m else seq.root
+        return m, last, full - m
+
+    def extend(self, seq: Sequence, tier: int, keys: list[bytes], promote) -> int:
+        """Blocks [m, m + len(keys)) of `seq` (m: its cached blocks) are in keyed tier `tier`
+        (`keys`: their chained keys, from `loadable`): load them. Returns how many are now
+        counted as cached (fewer when the sequence moved on, a key was published meanwhile,
+        or the host tier has no room to stage them): the rest stay the sequence's to compute.
+        `promote` hands the plan on, as in `open`."""
+        with atomic(), self.lock:
+            self.check_open(seq)
+            bs = self.block_size
+            m = seq.num_cached_tokens // bs
+            if m != seq.num_published or any(w != m * bs for w in seq.written):
+                return 0                # written since: those tokens are its own now
+            t = self.blocks
+            prefix = self.prefix
+            n = 0
+            for key in keys:
+                i = m + n
+                if i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None:
+                    break
+                n += 1
+            if not n or len(self.tiers) < 2 or self.room(HOST) < n:
+                return 0
+            blocks = seq.blocks[m:m + n]
+            stage = self.reserve(HOST, n)[::-1]
+            parent = seq.chain if m else NO_BLOCK
+            if parent < 0 and m:
+                for h in stage:
+                    self.free_slot(HOST, h)
+                self.unreserve(HOST, n)
+                return 0
+            readiness = LayerReadiness(self.num_layers, n)
+            readiness.zero_copy = False
+            keyed = self.keyed[tier]
+            root = self.root_keys[seq.root_id]
+            dev = self._slots[DEVICE]
+            plan: list[Transfer] = []
+            tokens = seq.token_ids
+            for j, b in enumerate(blocks):
+                i = m + j
+                key = keys[j]
+                t.key[b] = key
+                t.published[b] = 1
+                t.tokens[b] = tokens[i * bs:(i + 1) * bs]
+                t.parent[b] = parent
+                t.root_id[b] = seq.root_id
+                t.inserted_at[b] = t.last_access[b] = self.clock
+                t.stored[b] |= 1 << keyed.position      # it came from there
+                prefix[key] = b
+                if parent != NO_BLOCK:
+                    self._link(parent, b)
+                    self._kids[DEVICE][parent] += 1
+                    if self._cand[parent]:
+                        self._refresh(parent)
+                seq.keys.append(key)
+                h = stage.pop()
+                meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
+                                  i, t.token_bytes(b), 0)
+                plan.append(Transfer(b, keyed.index, NO_SLOT, HOST, h, meta=meta))
+                plan.append(Transfer(b, HOST, h, DEVICE, dev[b]))
+                self.pending[b] = readiness
+                self._flight[b] += 1
+                self._refresh(b)
+                parent = b
+            try:
+                promote(plan, readiness)
+            except BaseException:
+                if self.pending.get(blocks[0]) is readiness:
+                    self.commit_promotion(plan, False)
+                raise
+            cached = (m + n) * bs
+            seq.num_cached_tokens = cached
+            seq.num_published = m + n
+            seq.chain = blocks[-1]
+            seq.written = [cached] * self.num_layers
+            seq.pending.append(readiness)
+            seq.cached_tokens_by_tier[keyed.name] = \
+                seq.cached_tokens_by_tier.get(keyed.name, 0) + n * bs
+            keyed.hit_tokens += n * bs
+            keyed.loads += n
+            self.counters.hit_tokens += n * bs
+            return n
+
+    def note_skipped(self, tier: int) -> None:
+        """A lookup was not made, or its blocks not loaded: recomputing was cheaper."""
+        with self.lock:
+            self.keyed[tier].skipped += 1
+
+    def plan_puts(self, blocks: list[int], tier: int) -> list[Transfer]:
+        """Copies of published blocks' host copies into keyed tier `tier`, for those not put
+        yet (each block's host copy is held in flight until `commit_puts`)."""
+        with atomic(), self.lock:
+            if len(self.tiers) < 2:
+                return []
+            t = self.blocks
+            keyed = self.keyed[tier]
+            bit = 1 << keyed.position
+            host = self._slots[HOST]
+            plan = []
+            for b in dict.fromkeys(blocks):
+                if t.key[b] is None or host[b] == NO_SLOT or t.stored[b] & bit \
+                        or t.in_flight[b]:
+                    continue
+                plan.append(Transfer(b, HOST, host[b], keyed.index, NO_SLOT, keep=True,
+                                     meta=self.record_meta(b)))
+                self.begin_move(b)
+            return plan
+
+    def commit_puts(self, plan: list[Transfer], tier: int, ok: bool) -> None:
+        with atomic(), self.lock:
+            keyed = self.keyed[tier]
+            bit = 1 << keyed.position
+            for tr in plan:
+                if ok:
+                    self.blocks.stored[tr.block] |= bit
+                    keyed.puts += 1
+                self.end_move(tr.block)
+
+    def failed_loads(self, blocks: set[int] | frozenset[int], tier: int) -> None:
+        with self.lock:
+            self.keyed[tier].load_failures += len(blocks)
+
+
+def leading(hits: list[bool]) -> int:
+    """How many of the first entries are True."""
+    arr = np.asarray(hits, dtype=bool)
+    return int(arr.argmin()) if not arr.all() else len(arr)
