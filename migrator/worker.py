@@ -79,6 +79,8 @@ class Migrator:
         self._lowering = [False] * len(index.tiers)
         self._paused = [0.0] * len(index.tiers)     # demotion out of tier i waits until then
         self._copies: dict[tuple[int, int], list] = {}      # (src, dst) -> [blocks, seconds]
+        kinds = getattr(executor, "kinds", [])
+        self._whole_sources = {i for i, k in enumerate(kinds) if k not in ("gpu", "host")}
         for src in range(len(index.tiers) - 1):
             name = "tc-demoter" if src == 0 else f"tc-demoter-{index.tiers[src].name}"
             self._threads.append(threading.Thread(target=self._watch, args=(src,), name=name,
@@ -224,8 +226,12 @@ class Migrator:
         plan = [t for job in jobs for t in job.plan]
         # Records on disk are first read, whole and verified, into host staging slots; then
         # every block is copied to the device layer by layer (core/slots.py, _plan_promotion).
-        staged = [t for t in plan if t.dst_tier != 0]
-        to_device = [t for t in plan if t.dst_tier == 0]
+        # NOTE: a copy out of a record source (disk, a store, the node daemon) moves whole
+        # verified blocks: it runs first, once, and only memory-to-memory copies go layer by
+        # layer.
+        whole = self._whole_sources
+        staged = [t for t in plan if t.dst_tier != 0 or t.src_tier in whole]
+        to_device = [t for t in plan if t.dst_tier == 0 and t.src_tier not in whole]
         num_layers = idx.num_layers
         # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
         # signalled as soon as it lands: small promotions would otherwise pay the per-call
@@ -239,7 +245,7 @@ class Migrator:
                 error = self._attempt("promotion", partial(self.executor.run, staged), stream)
                 if error is None:
                     t1 = time.perf_counter()
-                    self._account(staged[0].src_tier, 1, len(staged), t1 - t0)
+                    self._account(staged[0].src_tier, staged[0].dst_tier, len(staged), t1 - t0)
                     t0 = t1
             for first in range(0, num_layers, group) if error is None else ():
                 layers = tuple(range(first, min(num_layers, first + group)))
@@ -251,6 +257,10 @@ class Migrator:
                 for job in jobs:
                     for layer in layers:
                         job.readiness.layer_done(layer, event)
+            if error is None and not to_device:
+                for job in jobs:            # nothing layered: every layer landed with stage 1
+                    for layer in range(num_layers):
+                        job.readiness.layer_done(layer, None)
             self._sync(stream)
             if error is None and to_device:
                 self._account(to_device[0].src_tier, 0, len(to_device), time.perf_counter() - t0)

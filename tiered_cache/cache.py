@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tiered_cache import policies
+from tiered_cache import assembly, shared_tiers
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
 from tiered_cache.core import resize as resizing
@@ -88,17 +88,9 @@ class TieredKVCache:
         self._resize_lock = threading.Lock()    # one resize at a time
         self.migrator = self.compactor = None
         specs, self.pools = self._build_tiers(config)
-        policy_cls = policies.resolve(config.policy)
-        hidden = config.num_q_heads * model.head_dim
-        cost_ctx = (model.num_params / (2 * model.num_layers * hidden)
-                    if model.num_params else 53_000.0)
-
-        def policy(capacity, blocks):
-            return policy_cls(capacity, blocks=blocks, block_size=self.block_size,
-                              cost_context_tokens=cost_ctx)
-
+        policy = assembly.policy_factory(config)
         self.costs = self._cost_model(config, specs)
-        keyed_specs, self.stores = self._build_keyed(config, specs)
+        keyed_specs, self.stores = shared_tiers.build(self, config, specs)
         self.index = BlockIndex(specs, policy=policy, block_size=self.block_size,
                                 num_layers=self.num_layers, hasher=self.hasher,
                                 block_bytes=self.block_bytes,
@@ -118,11 +110,12 @@ class TieredKVCache:
 
             for (src, dst), handler in disk_tier.HANDLERS.items():
                 self.executor.register(src, dst, handler)
-            self._recover()
+            assembly.recover(self.index, self.pools)
         if self.stores:
-            from tiered_cache.data import remote_tier
+            from tiered_cache.data import daemon_tier, remote_tier
 
-            for (src, dst), handler in remote_tier.HANDLERS.items():
+            for (src, dst), handler in (*remote_tier.HANDLERS.items(),
+                                        *daemon_tier.HANDLERS.items()):
                 self.executor.register(src, dst, handler)
         from tiered_cache.migrator import Compactor, Migrator, ThreadHealth
 
@@ -141,14 +134,17 @@ class TieredKVCache:
                 registry, config.metrics.http_port, config.metrics.http_addr)
         # Background data plane: only meaningful when there is data to move.
         if self.has_storage and config.migrator.enabled:
-            puts = [k for k, _ in enumerate(self.stores)
-                    if config.tiers.remote is not None and config.tiers.remote.write == "on_host"]
+            # Keyed tiers written as blocks get a copy in the tier they are put from.
+            puts = [k for k, keyed in enumerate(self.index.keyed)
+                    if keyed.put_from < len(self.index.tiers)]
             self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
                                      put_tiers=puts, on_copy=self._observe)
             if puts:
                 migrator = self.migrator
                 self.index.on_copied = lambda tier, blocks: (
                     migrator.put_remote(blocks) if tier == 1 else None)
+        if config.tiers.daemon is not None:
+            self.stores[0].start(on_tenant=self.index.set_tenant)
         if self.has_storage and config.compactor.enabled:
             self.compactor = Compactor(self.index, self.executor, config.compactor,
                                        health=self.health)
@@ -170,8 +166,10 @@ class TieredKVCache:
         specs, pools = [], []
         for name in ("gpu", "host"):
             n = tier_num_blocks(config, name)
-            if name == "host" and n == 0:
-                continue                        # `num_blocks: 0`: a device-only cache
+            if name == "host" and (n == 0 or config.tiers.daemon is not None):
+                # `num_blocks: 0`: a device-only cache. Attached to the node daemon, the
+                # daemon's shared host tier takes the place of this process's own.
+                continue
             tcfg = getattr(config.tiers, name)
             pool = None
             if self.has_storage:
@@ -249,70 +247,6 @@ class TieredKVCache:
         return self.costs.worth_loading(cost, nblocks=nblocks, nbytes=nblocks * self.block_bytes,
                                         num_tokens=nblocks * bs, context_tokens=context_blocks * bs)
 
-    def _build_keyed(self, config: CacheConfig, specs: list[TierSpec]) -> tuple[list, list]:
-        """The remote tier (a shared Redis/Valkey store), if configured."""
-        remote = config.tiers.remote
-        if remote is None:
-            return [], []
-        if not self.has_storage:
-            raise ConfigError("tiers.remote", "needs storage: tensors (a metadata-only cache "
-                                              "has no KV to share)")
-        if len(specs) < 2 or specs[1].kind != "host":
-            raise ConfigError("tiers.remote", "needs a host tier (tiers.host with num_blocks > "
-                                              "0): records are staged through it")
-        if not config.migrator.enabled:
-            raise ConfigError("tiers.remote", "needs the migrator (migrator.enabled: true): "
-                                              "only its background threads load and store")
-        import os
-
-        from tiered_cache import records
-        from tiered_cache.data.remote_tier import RemoteTier
-        from tiered_cache.stores.base import StoreUnavailableError
-
-        try:
-            from tiered_cache.stores.redis import RedisStore
-        except ImportError as exc:
-            raise ConfigError("tiers.remote", f"needs redis-py: pip install "
-                                              f"'tiered-cache[remote]' ({exc})") from None
-        password = remote.password
-        if remote.password_env is not None:
-            password = os.environ.get(remote.password_env)
-            if password is None:
-                raise ConfigError("tiers.remote.password_env",
-                                  f"environment variable {remote.password_env!r} is not set")
-        url = remote.url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
-        host = self.pools[1]
-        payload = self.block_bytes
-        kw = dict(namespace=self.hasher.namespace_digest(), num_tokens=self.block_size,
-                  cluster=remote.cluster, username=remote.username, password=password,
-                  ssl_ca_certs=remote.tls_ca, ssl_certfile=remote.tls_cert,
-                  ssl_keyfile=remote.tls_key, ssl_check_hostname=remote.tls_check_hostname,
-                  prefix=remote.prefix,
-                  ttl_s=int(remote.ttl_s) if remote.ttl_s is not None else None,
-                  put_queue_bytes=remote.put_queue_mib << 20,
-                  record_bytes=records.header_len(self.block_size) + payload,
-                  cost=self.costs.tiers.get("remote") if self.costs is not None else None)
-        try:
-            store = RedisStore(url, verify=True, **kw)
-        except StoreUnavailableError as exc:
-            # NOTE: an unreachable server is not a reason not to serve: the cache starts on its
-            # local tiers and the store's breaker probes the server again later.
-            log.warning("tiers.remote: %s; serving from the local tiers until it answers", exc)
-            store = RedisStore(url, verify=False, **kw)
-        pool = RemoteTier(store, host_kv=host.kv, host_scales=host.scales,
-                          namespace=self.hasher.namespace_digest())
-        return [TierSpec("remote", "remote", 0)], [pool]
-
-    def _recover(self) -> None:
-        """Rebuild the index entries of every record a persistent tier holds (a restart)."""
-        for tier in self.index.tiers:
-            if not tier.persistent:
-                continue
-            pool = self.pools[tier.index]
-            reject = self.index.restore(tier.index, pool.recover())
-            if reject:
-                pool.erase(reject)
-
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> TieredKVCache:
         return self
@@ -338,19 +272,9 @@ class TieredKVCache:
             if seq.writing or seq.readers:      # still busy after 30 s: leave it open
                 continue
             self.index.close(seq)
-        for tier in self.index.tiers:
-            if tier.persistent:
-                # Records of blocks dropped since the eraser last ran must not come back.
-                pool = self.pools[tier.index]
-                slots = self.index.take_erasures(tier.index)
-                try:
-                    pool.erase(slots)
-                    self.index.erased(tier.index, slots)
-                    pool.save_hits(*self.index.copies_with_hits(tier.index))
-                finally:
-                    pool.close()
+        assembly.close_persistent(self.index, self.pools)
         for store in self.stores:
-            store.store.flush(5.0)
+            store.flush(5.0)
             store.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
@@ -386,7 +310,8 @@ class TieredKVCache:
                     seq = self.index.open(tokens, salt=salt, adapter_id=adapter_id,
                                           reserve_last=reserve_last, promote=self._promote)
                     if self.stores and not interrupt_pending():
-                        self._load_keyed(seq)
+                        shared_tiers.note_open(self, seq)
+                        shared_tiers.load(self, seq)
                     if interrupt_pending():
                         # The caller will never see `seq`: give it back before raising.
                         self.index.close(seq)
@@ -398,35 +323,6 @@ class TieredKVCache:
                     raise
             time.sleep(0.0005)
             self._check_alive()
-
-    def _load_keyed(self, seq: Sequence) -> None:
-        """After the local match: which of the next blocks the shared store holds (under the
-        lookup deadline, outside the lock), and, if loading them beats recomputing, load them
-        (`BlockIndex.extend`). A slow, dead or empty store costs at most the deadline."""
-        from tiered_cache.core.keyed import leading
-
-        m, last, n = self.index.loadable(seq)
-        remote = self.config.tiers.remote
-        n = min(n, remote.lookahead_blocks)
-        if not n:
-            return
-        data = seq.token_ids.tobytes()
-        nbytes = self.block_size * 4
-        keys, key = [], last
-        for i in range(m, m + n):
-            key = self.hasher.key(key, data[i * nbytes:(i + 1) * nbytes])
-            keys.append(key)
-        for k, store in enumerate(self.stores):
-            # NOTE: asked even while its breaker is open: it answers "absent" at once then,
-            # and lets one probe through after each backoff, which is how it comes back.
-            r = leading(store.exists(seq.root, keys, remote.lookup_deadline_ms / 1e3))
-            if not r:
-                continue
-            if self.costs is not None and not self._worth(self.index.keyed[k].index, r, m):
-                self.index.note_skipped(k)
-                continue
-            if self.index.extend(seq, k, keys[:r], self._promote):
-                return
 
     def can_open(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
@@ -477,7 +373,7 @@ class TieredKVCache:
                 ok = True
             finally:
                 fresh = idx.end_write(seq, layer, start, n, ok)
-            self._copy_down(fresh)
+            self._published(fresh)
 
     def mark_computed(self, seq: Sequence) -> None:
         """Metadata-only mode (`storage: none`): treat every declared token as written in every
@@ -613,7 +509,11 @@ class TieredKVCache:
         tokens = as_token_array(token_ids)
         _check_salt(salt)
         _check_adapter(adapter_id)
-        return self.index.invalidate(tokens, salt=salt, adapter_id=adapter_id)
+        n = self.index.invalidate(tokens, salt=salt, adapter_id=adapter_id)
+        if self.config.tiers.daemon is not None:
+            root, _ = self.index.register_root(salt, adapter_id)
+            n += self.stores[0].invalidate(root, tokens)
+        return n
 
     def stats(self) -> dict:
         out = self.index.stats()
@@ -625,6 +525,8 @@ class TieredKVCache:
                 out["tiers"][tier.name]["pool"] = self.pools[tier.index].stats()
         for keyed, store in zip(self.index.keyed, self.stores):
             out["tiers"][keyed.name]["store"] = store.stats()
+        if self.config.tiers.daemon is not None and not self._closed:
+            shared_tiers.daemon_stats(self.stores[0], out)
         if self.costs is not None:
             out["cost_model"] = {name: c.snapshot() for name, c in self.costs.tiers.items()}
         return out
@@ -694,21 +596,13 @@ class TieredKVCache:
             self.migrator.poke()
 
     def _promote(self, plan: list[Transfer], readiness: LayerReadiness) -> None:
-        """Called by `BlockIndex.open` (lock held): hand a promotion to the migrator, or run
-        it now. A failed synchronous copy is committed as failed and raises TransferError."""
-        if self.migrator is not None and not self.migrator.stopped:
-            self.migrator.promote(plan, readiness)
-            return
-        try:
-            self.executor.run(plan)
-        except TransferError as exc:
-            self.index.count("transfer_failures")
-            self.index.commit_promotion(plan, False)
-            readiness.fail(exc)
-            raise
-        self.index.commit_promotion(plan, True)
-        for layer in range(self.num_layers):
-            readiness.layer_done(layer)
+        assembly.promote(self.index, self.executor, self.migrator, plan, readiness)
+
+    def _published(self, fresh: list[int]) -> None:
+        """Blocks just published: a copy below them (write_through), and to the daemon."""
+        self._copy_down(fresh)
+        if fresh and self.migrator is not None and self.config.tiers.daemon is not None:
+            self.migrator.put_remote(fresh)
 
     def _copy_down(self, fresh: list[int]) -> None:
         """write_through: a copy in the next tier now, so evicting the block later costs no

@@ -526,10 +526,40 @@ class RemoteTierConfig(_Section):
 
 
 @dataclass
+class DaemonTierConfig(_Section):
+    """An engine attached to the node daemon (`tiered-cache serve`): the daemon's tiers (its
+    shared host pool, disk, remote) sit beneath this engine's GPU tier. The engine keeps its
+    GPU tier and kernels; KV moves through shared memory, never the socket."""
+
+    _PATH: ClassVar[str] = "tiers.daemon"
+
+    socket: str | None = None
+    """The daemon's Unix socket (daemon.socket in its config)."""
+    timeout_s: float = 5.0
+    """Longest wait for one reply of the daemon (then it counts as gone)."""
+    lookup_deadline_ms: float = 5.0
+    """Hard deadline of the lookup in open()."""
+    write: str = "on_compute"
+    """on_compute: every block this engine computes is published to the daemon (in the
+    background), where the other engine processes of the node find it; off: only read."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.socket, str) or not self.socket or "\0" in self.socket \
+                or len(self.socket) > 107 or not self.socket.isprintable():
+            raise ConfigError(self._key("socket"), f"expected a Unix socket path (at most 107 "
+                                                   f"bytes), got {short_repr(self.socket)}")
+        self.timeout_s = _positive_number(self._key("timeout_s"), self.timeout_s, 3600)
+        self.lookup_deadline_ms = _positive_number(self._key("lookup_deadline_ms"),
+                                                   self.lookup_deadline_ms, 60_000)
+        _choice(self._key("write"), self.write, ("on_compute", "off"))
+
+
+@dataclass
 class TiersConfig(_Section):
     _PATH: ClassVar[str] = "tiers"
     _NESTED: ClassVar[dict[str, type]] = {"gpu": GpuTierConfig, "host": HostTierConfig,
-                                          "disk": DiskTierConfig, "remote": RemoteTierConfig}
+                                          "disk": DiskTierConfig, "remote": RemoteTierConfig,
+                                          "daemon": DaemonTierConfig}
 
     gpu: GpuTierConfig = field(default_factory=lambda: GpuTierConfig(num_blocks=256))
     host: HostTierConfig = field(default_factory=lambda: HostTierConfig(num_blocks=1024))
@@ -537,11 +567,13 @@ class TiersConfig(_Section):
     """Optional; absent (or null): no disk tier."""
     remote: RemoteTierConfig | None = None
     """Optional; absent (or null): no remote tier."""
+    daemon: DaemonTierConfig | None = None
+    """Optional: attach this engine to a node daemon (its tiers replace host/disk/remote)."""
 
     def __post_init__(self) -> None:
         self._nested("gpu")
         self._nested("host")
-        for name in ("disk", "remote"):
+        for name in ("disk", "remote", "daemon"):
             if getattr(self, name) is not None:
                 self._nested(name)
 
@@ -598,6 +630,71 @@ class CompactorConfig(_Section):
         self.interval_s = _positive_number(self._key("interval_s"), self.interval_s,
                                            MAX_INTERVAL_S)
         _positive_int(self._key("max_moves_per_step"), self.max_moves_per_step, MAX_NUM_BLOCKS)
+
+
+@dataclass
+class DaemonConfig(_Section):
+    """`tiered-cache serve`: the node daemon. Its tiers are this config's host (in shared
+    memory), disk and remote tiers (tiers.gpu is ignored: the daemon owns no GPU)."""
+
+    _PATH: ClassVar[str] = "daemon"
+
+    socket: str = "/run/tiered-cache/daemon.sock"
+    """Unix socket engines attach to (mode 0600 in a directory the daemon owns, 0700)."""
+    socket_mode: int = 0o600
+    """0o600 (the daemon's user only) or 0o660 (its group too: engines running as other users
+    of the socket directory's group; with allow_gids)."""
+    allow_uids: list = field(default_factory=list)
+    """Client uids admitted (SO_PEERCRED); empty with allow_gids empty: only the daemon's uid."""
+    allow_gids: list = field(default_factory=list)
+    tenants: dict = field(default_factory=dict)
+    """"uid:N" or "gid:N" -> tenant name. A client's tenant decides which blocks it can read and
+    publish; by default every uid is its own tenant. The daemon assigns it, never the client."""
+    lease_s: float = 10.0
+    """A client's pins are a lease renewed by its heartbeat; a client gone this long (or whose
+    socket closed) has its pins released."""
+    max_frame_mib: int = 8
+    """Largest control message (token ids of a lookup: 4 bytes a token)."""
+    max_clients: int = 256
+    staging_blocks: int = 32
+    """Slots of each client's staging area (shared pages it copies blocks to publish into;
+    the daemon copies them into the pool). A client publishes at most this many at once."""
+    log_format: str = "text"
+    """text | json (one JSON object a line: for a log shipper)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.socket, str) or not self.socket.startswith("/") \
+                or len(self.socket) > 107 or "\0" in self.socket:
+            raise ConfigError(self._key("socket"), "expected an absolute Unix socket path (at "
+                                                   "most 107 bytes), got "
+                                                   f"{short_repr(self.socket)}")
+        if not _is_int(self.socket_mode) or self.socket_mode not in (0o600, 0o660):
+            raise ConfigError(self._key("socket_mode"), "expected 0o600 or 0o660, got "
+                                                        f"{short_repr(self.socket_mode)}")
+        for key in ("allow_uids", "allow_gids"):
+            v = getattr(self, key)
+            if not isinstance(v, list) or len(v) > 4096 or not all(
+                    _is_int(x) and 0 <= x < 2**32 for x in v):
+                raise ConfigError(self._key(key), f"expected a list of ids in 0..2**32-1, got "
+                                                  f"{short_repr(v)}")
+        if not isinstance(self.tenants, dict) or len(self.tenants) > 4096:
+            raise ConfigError(self._key("tenants"), f"expected a mapping, got "
+                                                    f"{short_repr(self.tenants)}")
+        for who, name in self.tenants.items():
+            if not isinstance(who, str) or not re.fullmatch(r"(uid|gid):[0-9]{1,10}", who):
+                raise ConfigError(self._key("tenants"), f"expected keys 'uid:N' or 'gid:N', "
+                                                        f"got {short_repr(who)}")
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
+                                                             name):
+                raise ConfigError(self._key(f"tenants.{who}"),
+                                  "expected a tenant name of 1..64 letters, digits, '_', '.' or "
+                                  f"'-' (it names the tenant's disk directory), got "
+                                  f"{short_repr(name)}")
+        self.lease_s = _positive_number(self._key("lease_s"), self.lease_s, 86400)
+        _positive_int(self._key("max_frame_mib"), self.max_frame_mib, 1024)
+        _positive_int(self._key("max_clients"), self.max_clients, 65536)
+        _positive_int(self._key("staging_blocks"), self.staging_blocks, 4096)
+        _choice(self._key("log_format"), self.log_format, ("text", "json"))
 
 
 @dataclass
@@ -675,7 +772,7 @@ class CacheConfig(_Section):
     _NESTED: ClassVar[dict[str, type]] = {
         "model": ModelConfig, "tiers": TiersConfig, "migrator": MigratorConfig,
         "compactor": CompactorConfig, "kernels": KernelsConfig, "metrics": MetricsConfig,
-        "cost_model": CostModelConfig,
+        "cost_model": CostModelConfig, "daemon": DaemonConfig,
     }
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -698,6 +795,8 @@ class CacheConfig(_Section):
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    """Used by `tiered-cache serve` only."""
 
     def __post_init__(self) -> None:
         self._nested("model")
@@ -712,7 +811,7 @@ class CacheConfig(_Section):
         _bool("allow_non_finite_kv", self.allow_non_finite_kv)
         _choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
-        for name in ("migrator", "compactor", "kernels", "metrics", "cost_model"):
+        for name in ("migrator", "compactor", "kernels", "metrics", "cost_model", "daemon"):
             self._nested(name)
 
     def _check_tier_bytes(self) -> None:

@@ -61,9 +61,11 @@ class Namespace:
 
 
 class BlockHasher:
-    def __init__(self, namespace: Namespace, hash_fn: HashFn = xxh3_128) -> None:
+    def __init__(self, namespace: Namespace, hash_fn: HashFn = xxh3_128, *,
+                 tenant: bytes = b"") -> None:
         self.namespace = namespace
         self.hash_fn = hash_fn
+        self.tenant = tenant
         self._roots: dict[tuple[str | bytes | None, str | None], tuple[bytes, int]] = {}
         self._root_ids: dict[bytes, int] = {}
         self._by_key: dict[bytes, list[int]] = {}     # root key -> ids of its preimages
@@ -86,7 +88,7 @@ class BlockHasher:
             if adapter_id is not None:
                 ns = Namespace(ns.model, ns.kv_dtype, ns.num_layers, ns.num_kv_heads,
                                ns.head_dim, ns.block_size, adapter_id)
-            preimage = ns.encode(salt)
+            preimage = ns.encode(tenant_salt(self.tenant, salt))
             key = self.hash_fn(preimage)
             root_id = self._root_ids.get(preimage)
             if root_id is None:
@@ -96,6 +98,15 @@ class BlockHasher:
             found = (key, root_id)
             self._roots[cache_key] = found
         return found
+
+    def set_tenant(self, tenant: bytes) -> None:
+        """Key every root from now on under `tenant` (the salt the node daemon assigned this
+        client, see `tenant_salt`). Roots already handed out keep their keys and ids: blocks
+        cached under them stay valid where they are, and are simply not found by new opens.
+        Lock of the index held by the caller."""
+        if tenant != self.tenant:
+            self.tenant = tenant
+            self._roots.clear()
 
     def _adopt(self, key: bytes) -> int:
         """An id for a new preimage: the id of records under its key (a restart, another
@@ -136,6 +147,17 @@ class BlockHasher:
 
     def key(self, parent: bytes, token_bytes: bytes) -> bytes:
         return self.hash_fn(parent + token_bytes)
+
+
+def tenant_salt(tenant: bytes, salt: str | bytes | None) -> str | bytes | None:
+    """The salt a root is keyed by when a node daemon assigned the tenant `tenant`: the
+    tenant, length-prefixed, then the request's own salt. The daemon derives it from the
+    client's socket credentials, so no salt a client chooses can name another tenant's root.
+    Without a tenant the request's salt is used as is."""
+    if not tenant:
+        return salt
+    own = salt if isinstance(salt, bytes) else (salt or "").encode()
+    return b"tenant\0" + len(tenant).to_bytes(4, "little") + tenant + own
 
 
 def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:

@@ -158,7 +158,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
                                         admit_min_hits=spec.admit_min_hits))
-        self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k)
+        self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k, staged=spec.staged,
+                                 put_from=spec.put_from)
                       for k, spec in enumerate(keyed)]
         self.worth = worth
         self.prefix: dict[bytes, int] = {}
@@ -267,6 +268,98 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         seq.reserve_last = reserve_last
         if self.worth is not None and matched:
             self._trim_slow(seq, matched)
+        return self._start(seq, matched, promote, t0)
+
+    @_mutator
+    def open_blocks(self, root_id: int, parent_key: bytes, tokens: np.ndarray,
+                    promote: Promote | None = None) -> Sequence:
+        """Pin published blocks that continue the block keyed `parent_key` (the root key: from
+        the start), made resident in tier 0: the node daemon's hold on blocks a client is
+        copying out. `tokens` are the token ids of the wanted blocks (whole blocks); each is
+        verified as in `open` (chained key, parent, token ids, tenant root). The handle holds
+        the leading blocks found (`len(seq.blocks)`, maybe 0); close it to let them go."""
+        t0 = time.perf_counter()
+        root = self.root_keys.get(root_id)
+        if root is None:
+            raise SequenceClosedError(f"unknown root id {root_id}")
+        bs = self.block_size
+        seq = Sequence(id(self), root, root_id, tokens, self.num_layers, None, None)
+        matched: list[int] = []
+        prev = NO_BLOCK
+        if parent_key != root:
+            prev = self.prefix.get(parent_key, NO_BLOCK)
+            t = self.blocks
+            if prev == NO_BLOCK or t.root_id[prev] != root_id:
+                prev = -2                       # unknown parent: nothing can match
+        if prev != -2:
+            matched = self._match_after(seq, prev, parent_key)
+        seq.num_tokens = len(matched) * bs      # a hold: no slot for tokens not found
+        seq.written = [0] * self.num_layers
+        return self._start(seq, matched, promote, t0)
+
+    def peek(self, root_id: int, parent_key: bytes, tokens: np.ndarray) -> int:
+        """How many leading blocks of `tokens` after `parent_key` `open_blocks` would find
+        (nothing pinned, nothing counted as a use)."""
+        with self.lock:
+            root = self.root_keys.get(root_id)
+            if root is None:
+                return 0
+            seq = Sequence(id(self), root, root_id, tokens, self.num_layers, None, None)
+            prev = NO_BLOCK
+            if parent_key != root:
+                prev = self.prefix.get(parent_key, NO_BLOCK)
+                if prev == NO_BLOCK or self.blocks.root_id[prev] != root_id:
+                    return 0
+            return len(self._match_after(seq, prev, parent_key))
+
+    def register_root(self, salt: str | bytes | None = None,
+                      adapter_id: str | None = None) -> tuple[bytes, int]:
+        """(key, id) of the root for this salt and adapter, known to the index from now on
+        (the node daemon names roots for its clients; `open` does this itself)."""
+        with self.lock:
+            root, root_id = self.hasher.root(salt, adapter_id)
+            self.root_keys[root_id] = root
+            return root, root_id
+
+    def set_tenant(self, tenant: bytes) -> None:
+        """Key roots under `tenant` from now on (hashing.BlockHasher.set_tenant)."""
+        with self.lock:
+            self.hasher.set_tenant(tenant)
+
+    def held_slots(self, seq: Sequence) -> list[int]:
+        """Tier-0 slots of the blocks an `open_blocks` handle holds, in chain order."""
+        with self.lock:
+            self.check_open(seq)
+            dev = self._slots[GPU]
+            return [dev[b] for b in seq.blocks]
+
+    def _match_after(self, seq: Sequence, prev: int, key: bytes) -> list[int]:
+        """`_match` continuing the chain after block `prev` (NO_BLOCK: at the root)."""
+        bs = self.block_size
+        nbytes = bs * 4
+        tokens = seq.token_ids
+        data = tokens.tobytes()
+        h, get = self.hasher.hash_fn, self.prefix.get
+        t = self.blocks
+        matched: list[int] = []
+        for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
+            key = h(key + data[off:off + nbytes])
+            b = get(key)
+            if b is None or t.parent[b] != prev or (
+                    prev == NO_BLOCK and t.root_id[b] != seq.root_id):
+                break
+            if self.verify_tokens and t.tokens[b].tobytes() != data[off:off + nbytes]:
+                break
+            seq.keys.append(key)
+            matched.append(b)
+            prev = b
+        return matched
+
+    def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
+               t0: float) -> Sequence:
+        """The rest of `open`: pin the matched blocks, make them resident in tier 0, give the
+        sequence slots for the tokens after them."""
+        tokens = seq.token_ids
         survey = self._survey(matched)
         promote_ids = survey.promote
         need = len(promote_ids) + -(-len(tokens) // self.block_size) - len(matched)

@@ -44,12 +44,15 @@ class KeyedOps:
         last = seq.keys[m - 1] if m else seq.root
         return m, last, full - m
 
-    def extend(self, seq: Sequence, tier: int, keys: list[bytes], promote) -> int:
+    def extend(self, seq: Sequence, tier: int, keys: list[bytes], promote,
+               slots: list[int] | None = None, ticket: int = 0) -> int:
         """Blocks [m, m + len(keys)) of `seq` (m: its cached blocks) are in keyed tier `tier`
         (`keys`: their chained keys, from `loadable`): load them. Returns how many are now
         counted as cached (fewer when the sequence moved on, a key was published meanwhile,
         or the host tier has no room to stage them): the rest stay the sequence's to compute.
-        `promote` hands the plan on, as in `open`."""
+        `promote` hands the plan on, as in `open`. For an unstaged tier (the node daemon)
+        `slots` are where the blocks lie in its pool and `ticket` the hold that keeps them
+        there; each transfer carries both, and the tier's handler releases the hold."""
         with atomic(), self.lock:
             self.check_open(seq)
             bs = self.block_size
@@ -64,19 +67,19 @@ class KeyedOps:
                 if i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None:
                     break
                 n += 1
-            if not n or len(self.tiers) < 2 or self.room(HOST) < n:
+            keyed = self.keyed[tier]
+            staged = keyed.staged
+            if slots is not None:
+                n = min(n, len(slots))
+            if not n or (staged and (len(self.tiers) < 2 or self.room(HOST) < n)):
                 return 0
-            blocks = seq.blocks[m:m + n]
-            stage = self.reserve(HOST, n)[::-1]
             parent = seq.chain if m else NO_BLOCK
             if parent < 0 and m:
-                for h in stage:
-                    self.free_slot(HOST, h)
-                self.unreserve(HOST, n)
-                return 0
+                return 0                # a block before these could not be published
+            blocks = seq.blocks[m:m + n]
+            stage = self.reserve(HOST, n)[::-1] if staged else []
             readiness = LayerReadiness(self.num_layers, n)
             readiness.zero_copy = False
-            keyed = self.keyed[tier]
             root = self.root_keys[seq.root_id]
             dev = self._slots[DEVICE]
             plan: list[Transfer] = []
@@ -98,11 +101,15 @@ class KeyedOps:
                     if self._cand[parent]:
                         self._refresh(parent)
                 seq.keys.append(key)
-                h = stage.pop()
                 meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
                                   i, t.token_bytes(b), 0)
-                plan.append(Transfer(b, keyed.index, NO_SLOT, HOST, h, meta=meta))
-                plan.append(Transfer(b, HOST, h, DEVICE, dev[b]))
+                if staged:
+                    h = stage.pop()
+                    plan.append(Transfer(b, keyed.index, NO_SLOT, HOST, h, meta=meta))
+                    plan.append(Transfer(b, HOST, h, DEVICE, dev[b]))
+                else:
+                    plan.append(Transfer(b, keyed.index, slots[j], DEVICE, dev[b], meta=meta,
+                                         ticket=ticket))
                 self.pending[b] = readiness
                 self._flight[b] += 1
                 self._refresh(b)
@@ -132,21 +139,23 @@ class KeyedOps:
             self.keyed[tier].skipped += 1
 
     def plan_puts(self, blocks: list[int], tier: int) -> list[Transfer]:
-        """Copies of published blocks' host copies into keyed tier `tier`, for those not put
-        yet (each block's host copy is held in flight until `commit_puts`)."""
+        """Copies of published blocks into keyed tier `tier` from its `put_from` slot tier,
+        for those not put yet, parents first (each source copy is held in flight until
+        `commit_puts`)."""
         with atomic(), self.lock:
-            if len(self.tiers) < 2:
+            keyed = self.keyed[tier]
+            src = keyed.put_from
+            if src >= len(self.tiers):
                 return []
             t = self.blocks
-            keyed = self.keyed[tier]
             bit = 1 << keyed.position
-            host = self._slots[HOST]
+            have = self._slots[src]
             plan = []
-            for b in dict.fromkeys(blocks):
-                if t.key[b] is None or host[b] == NO_SLOT or t.stored[b] & bit \
+            for b in sorted(dict.fromkeys(blocks), key=t.depth.__getitem__):
+                if t.key[b] is None or have[b] == NO_SLOT or t.stored[b] & bit \
                         or t.in_flight[b]:
                     continue
-                plan.append(Transfer(b, HOST, host[b], keyed.index, NO_SLOT, keep=True,
+                plan.append(Transfer(b, src, have[b], keyed.index, NO_SLOT, keep=True,
                                      meta=self.record_meta(b)))
                 self.begin_move(b)
             return plan

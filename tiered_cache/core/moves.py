@@ -208,8 +208,10 @@ def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
 # ---------------------------------------------------------------- write-through
 def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
                    dst: int = 1) -> list[Transfer]:
-    """A copy in `dst` for published blocks that have one in `src` and none in `dst`."""
+    """A copy in `dst` for published blocks that have one in `src` and none in `dst` (with
+    each block's identity when `dst` persists records)."""
     with idx.locked():
+        persistent = dst < len(idx.tiers) and idx.tiers[dst].persistent
         slots = idx.blocks.slots
         if dst >= len(slots):
             return []
@@ -225,7 +227,8 @@ def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
                 idx.free_slot(dst, s)
                 idx.unreserve(dst)
                 continue
-            plan.append(Transfer(b, src, slots[src][b], dst, s))
+            meta = idx.record_meta(b) if persistent else None
+            plan.append(Transfer(b, src, slots[src][b], dst, s, meta=meta))
             idx.begin_move(b)
         return plan
 

@@ -34,6 +34,72 @@ class Persistence:
         return RecordMeta(t.key[b], t.key[p] if p != NO_BLOCK else root, root, t.depth[b],
                           t.token_bytes(b), t.hits[b])
 
+    def lend(self, tier: int, n: int) -> list[int]:
+        """n free slots of `tier` (evicting by policy as needed) that the caller fills outside
+        the lock and then `adopt`s or `unlend`s: the node daemon's destinations for blocks a
+        client published. Raises CapacityError, changing nothing, when the tier is full of
+        pinned blocks."""
+        with atomic(), self.lock:
+            return self.reserve(tier, n)
+
+    def unlend(self, tier: int, slots: list[int]) -> None:
+        """Give back slots of `lend` that no block took."""
+        with atomic(), self.lock:
+            for s in slots:
+                self.free_slot(tier, s)
+            self.unreserve(tier, len(slots))
+
+    def blocks_in(self, tier: int) -> list[int]:
+        """Published blocks with a copy in `tier`, parents before children."""
+        with self.lock:
+            t = self.blocks
+            mine, owner = self._slots[tier], self.tiers[tier].owner
+            out = [b for s, b in enumerate(owner) if b >= 0 and t.key[b] is not None
+                   and mine[b] == s]
+            return sorted(out, key=t.depth.__getitem__)
+
+    def adopt(self, tier: int, root_id: int, entries: list) -> list[bool]:
+        """Publish blocks whose KV a client process copied into reserved slots of `tier` (the
+        node daemon's shared pool): `entries` are (slot, RecordMeta) in chain order. A block is
+        taken only if its key is the chained hash of its parent's key and its tokens, its root
+        is `root_id`'s, its parent is published here (or it hangs off the root) and its key is
+        new; its slot is given back otherwise. Returns, per entry, whether it was taken.
+
+        NOTE: the KV itself cannot be checked here: a client can only ever publish into its
+        own tenant (`root_id` is the daemon's, not the client's word), where it is the source
+        of those tokens' KV anyway."""
+        with atomic(), self.lock:
+            t = self.blocks
+            root = self.root_keys[root_id]
+            prefix, hasher = self.prefix, self.hasher
+            taken: list[bool] = []
+            for slot, m in entries:
+                parent = NO_BLOCK if m.depth == 0 else prefix.get(m.parent, NO_BLOCK)
+                ok = (m.root == root and m.key not in prefix and len(m.tokens) == 4 *
+                      self.block_size and hasher.key(m.parent, m.tokens) == m.key
+                      and (m.parent == root if m.depth == 0 else
+                           parent != NO_BLOCK and t.root_id[parent] == root_id
+                           and t.depth[parent] == m.depth - 1))
+                self.unreserve(tier)
+                if not ok:
+                    self.free_slot(tier, slot)
+                    taken.append(False)
+                    continue
+                b = t.new(m.depth, 0)
+                t.key[b] = m.key
+                t.published[b] = 1
+                t.tokens[b] = np.frombuffer(m.tokens, dtype="<i4")
+                t.parent[b] = parent
+                t.root_id[b] = root_id
+                t.hits[b] = m.hits
+                t.last_access[b] = t.inserted_at[b] = self.clock
+                prefix[m.key] = b
+                if parent != NO_BLOCK:
+                    self._link(parent, b)
+                self.set_slot(b, tier, slot)
+                taken.append(True)
+            return taken
+
     def copies_with_hits(self, tier: int) -> tuple[list[int], list[int]]:
         """(slots, use counts) of every published block with a copy in `tier`."""
         with atomic(), self.lock:

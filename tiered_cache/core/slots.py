@@ -183,8 +183,12 @@ class SlotOps:
         plan = []
         fastest = self.blocks.fastest_tier
         tiers = self.tiers
-        staged = sum(1 for b in blocks if tiers[fastest(b)].persistent)
+        # Into a host-memory tier 0 (the node daemon's shared pool) a record is read directly.
+        direct = tiers[DEVICE].kind == "host"
+        staged = 0 if direct else sum(1 for b in blocks if tiers[fastest(b)].persistent)
         stage: list[int] = []
+        if direct and any(tiers[fastest(b)].persistent for b in blocks):
+            readiness.zero_copy = False
         if staged:
             # Everything that can fail comes first: a refused open leaves nothing half done.
             if len(tiers) < 2 or tiers[1].kind != "host":
@@ -195,7 +199,7 @@ class SlotOps:
         for b, s in zip(blocks, slots):
             src = fastest(b)
             src_slot = self._slots[src][b]
-            if tiers[src].persistent:
+            if tiers[src].persistent and not direct:
                 h = stage.pop()
                 plan.append(Transfer(b, src, src_slot, 1, h))
                 src, src_slot = 1, h

@@ -29,6 +29,14 @@ class TierSpec:
     sync_target: bool = True
     """Synchronous eviction (under the lock) may copy victims of the tier above into it. False
     for tiers whose writes are I/O (disk): only the background migrator demotes into them."""
+    staged: bool = True
+    """(Keyed tiers.) A load lands in a host staging slot first (a record fetched over the
+    network is verified there); False: straight into the device slot (the node daemon's
+    shared pool is host memory the device copies from)."""
+    put_from: int = 1
+    """(Keyed tiers.) The slot tier whose copies are put: the host tier (a store is written
+    from host memory), or the device tier (the daemon's pool is written as blocks are
+    computed, so that other engine processes find them at once)."""
 
 
 @dataclass(eq=False)
@@ -85,6 +93,8 @@ class KeyedState:
     kind: str
     index: int
     position: int                   # k: the bit of BlockTable.stored that says "put here"
+    staged: bool = True             # see TierSpec
+    put_from: int = 1               # see TierSpec
     hit_tokens: int = 0
     loads: int = 0                  # blocks loaded from it
     load_failures: int = 0          # blocks it was asked for that it could not return

@@ -22,6 +22,8 @@ class Transfer:
     layers: tuple[int, ...] | None = None      # None: every layer
     keep: bool = False              # a copy: the source copy stays (else the block moves)
     meta: RecordMeta | None = None  # identity of the block, for tiers that persist records
+    ticket: int = 0                 # the source tier's hold on what is read (the node daemon's
+                                    # fetch handle), released by the handler once copied
 
 
 @dataclass(frozen=True, slots=True)

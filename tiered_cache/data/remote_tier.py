@@ -48,6 +48,10 @@ class RemoteTier:
     def exists(self, root: bytes, keys: list[bytes], deadline_s: float) -> list[bool]:
         return self.store.exists(root, keys, deadline_s)
 
+    def flush(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for the background writer's queue to empty."""
+        self.store.flush(timeout_s)
+
     def close(self) -> None:
         self.store.close()
 

@@ -1,4 +1,4 @@
-"""`tiered-cache` command line: `plan`, `run`, `replay`.
+"""`tiered-cache` command line: `plan`, `run`, `replay`, `serve`.
 
 Each subcommand is a module with `DESCRIPTION`, `add_arguments(parser)` and `main(args) -> int`;
 this file only dispatches. Exit codes and error lines: tiered_cache.tools.command.
@@ -20,6 +20,7 @@ COMMANDS = {
     "run": ("tiered_cache.tools.mainjob",
             "serve a multi-turn workload through the cache, three ways"),
     "replay": ("tiered_cache.tools.replay", "replay a request trace through the control plane"),
+    "serve": ("tiered_cache.daemon.serve", "run the node daemon engines on this node share"),
 }
 
 
@@ -32,7 +33,7 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = command.ArgumentParser(
         prog=PROG, description="A CPU-GPU tiered KV-cache runtime: plan a config, run the "
-        "main job, replay a request trace.")
+        "main job, replay a request trace, serve the node daemon.")
     parser.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

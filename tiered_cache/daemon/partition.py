@@ -1,0 +1,314 @@
+"""One tenant's share of the node daemon: its pool in shared memory, its prefix index, its disk
+directory, its migrator.
+
+NOTE: a partition per tenant, not one pool for all: a client maps its tenant's pool, and only
+that memfd is ever sent to it, so a tenant's KV is not even addressable from another tenant's
+processes (a shared mapping would let any client read every tenant's blocks, whatever the
+protocol refuses). `tiers.host.num_blocks` and `tiers.disk.num_blocks` are per partition.
+
+Clients never write the pool. A client copies the blocks it publishes into its own staging
+area (daemon/service.py) and the daemon copies them in (`publish`): a client whose lease was
+reaped while it was stalled can only scribble on its own staging slots, never on a slot the
+daemon has since given to another block.
+
+Tier 0 of the partition's index is the shared host pool (kind "host"), tier 1 the disk tier if
+configured. The index, migrator and copy handlers are the engine's own (core/, migrator/,
+data/): the daemon adds no second implementation of eviction, demotion or recovery.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence as Seq
+
+import numpy as np
+import torch
+
+from tiered_cache import assembly
+from tiered_cache.config import CacheConfig
+from tiered_cache.core import moves
+from tiered_cache.core.index import BlockIndex
+from tiered_cache.core.sequence import Sequence
+from tiered_cache.core.tier import TierSpec
+from tiered_cache.core.transfer import RecordMeta
+from tiered_cache.daemon.errors import DaemonError, register_error
+from tiered_cache.daemon.shm import PoolGeometry, SharedPool
+from tiered_cache.errors import CapacityError, TieredCacheError, TransferError
+from tiered_cache.hashing import BlockHasher, Namespace
+from tiered_cache.migrator import Migrator, ThreadHealth
+from tiered_cache.sizing import tier_num_blocks
+
+log = logging.getLogger(__name__)
+
+HOST, DISK = 0, 1
+
+
+@register_error
+class UnknownRootError(DaemonError):
+    """A request named a root key this client's tenant has not registered (`root` first)."""
+
+    wire_type = "unknown_root"
+
+
+@register_error
+class BadEntryError(DaemonError, ValueError):
+    """A published entry is inconsistent (slot outside the staging area, repeated, tokens of
+    the wrong length, depths out of order)."""
+
+    wire_type = "bad_entry"
+
+
+class ShmHostPool:
+    """The partition's host tier for the copy handlers: a block-major `kv` over shared pages."""
+
+    kind = "host"
+    layout = "block_major"
+    where = "tiers.host"
+    scales = None
+    resizable = False
+
+    def __init__(self, shared: SharedPool) -> None:
+        self.shared = shared
+        self.kv = shared.kv
+        self.num_slots = shared.geometry.num_slots
+
+
+def namespace_of(config: CacheConfig) -> Namespace:
+    model = config.model
+    return Namespace(model.name, model.dtype, model.num_layers, model.num_kv_heads,
+                     model.head_dim, int(config.block_size), None)
+
+
+class Partition:
+    """A tenant's tiers. Thread-safe: every method may run on any connection's thread."""
+
+    def __init__(self, tenant: str, config: CacheConfig) -> None:
+        self.tenant = tenant
+        self.health = ThreadHealth()
+        model = config.model
+        self.block_size = bs = int(config.block_size)
+        self.num_layers = model.num_layers
+        self.hasher = BlockHasher(namespace_of(config))
+        self.geometry = PoolGeometry(tier_num_blocks(config, "host"), model.num_layers, bs,
+                                     model.num_kv_heads, model.head_dim, model.dtype)
+        self.shared = SharedPool.create(self.geometry, name=f"host-{tenant}")
+        self.pools: list = [ShmHostPool(self.shared)]
+        specs = [TierSpec("host", "host", self.geometry.num_slots)]
+        try:
+            disk = config.tiers.disk
+            n_disk = tier_num_blocks(config, "disk") if disk is not None else 0
+            if n_disk:
+                from tiered_cache.data.disk_tier import DiskTier
+
+                path = os.path.join(disk.path, tenant)
+                self.pools.append(DiskTier(path, n_disk, host_kv=self.shared.kv,
+                                           host_scales=None, num_tokens=bs,
+                                           namespace=self.hasher.namespace_digest(),
+                                           o_direct=disk.o_direct,
+                                           max_slots=disk.max_num_blocks))
+                specs.append(TierSpec("disk", "disk", n_disk, persistent=True,
+                                      sync_target=False, admit_min_hits=disk.admit_min_hits))
+            self.index = BlockIndex(specs, policy=assembly.policy_factory(config),
+                                    block_size=bs, num_layers=model.num_layers,
+                                    hasher=self.hasher, block_bytes=config.block_bytes,
+                                    verify_tokens=True, run=self._run, on_pressure=self._poke,
+                                    high_watermark=config.migrator.high_watermark)
+            from tiered_cache.data import disk_tier
+            from tiered_cache.data.executor import Executor
+
+            self.executor = Executor(self.pools, [s.kind for s in specs])
+            for (src, dst), handler in disk_tier.HANDLERS.items():
+                self.executor.register(src, dst, handler)
+            if len(specs) > 1:
+                assembly.recover(self.index, self.pools)
+            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health)
+        except BaseException:
+            for pool in self.pools[1:]:
+                pool.close()
+            self.shared.close()
+            raise
+        self._roots: dict[bytes, tuple[int, bytes, str | None]] = {}  # key -> id, salt, adapter
+        self._lock = threading.Lock()
+        self.counters = {"fetches": 0, "fetched_blocks": 0, "fetch_misses": 0,
+                         "published_blocks": 0, "rejected_blocks": 0, "lookups": 0,
+                         "fetch_timeouts": 0, "fetch_failures": 0}
+        self._closed = False
+
+    # roots ------------------------------------------------------------------------------------
+
+    def root(self, salt: bytes, adapter: str | None) -> bytes:
+        """Register the root of (tenant salt + request salt, adapter); its key."""
+        key, root_id = self.index.register_root(salt, adapter)
+        with self._lock:
+            self._roots[key] = (root_id, salt, adapter)
+        return key
+
+    def _root_id(self, key: bytes) -> int:
+        with self._lock:
+            found = self._roots.get(key)
+        if found is None:
+            raise UnknownRootError("this root was not registered by the client's tenant "
+                                   "(call `root` first; roots are forgotten by a restart)")
+        return found[0]
+
+    # reads ------------------------------------------------------------------------------------
+
+    def fetch(self, root: bytes, parent: bytes, tokens: np.ndarray,
+              wait_s: float) -> tuple[Sequence | None, list[int]]:
+        """Pin the leading cached blocks of `tokens` after `parent` and make them resident in
+        the pool (read from disk if need be, waiting up to `wait_s`); (hold, their slots), or
+        (None, []) for a miss."""
+        self._count("fetches")
+        tokens = tokens[:len(tokens) // self.block_size * self.block_size]
+        root_id = self._root_id(root)
+        try:
+            seq = self.index.open_blocks(root_id, parent, tokens, promote=self._promote)
+        except (CapacityError, TransferError) as exc:
+            log.debug("%s: fetch refused: %s", self.tenant, exc)
+            self._count("fetch_misses")
+            return None, []
+        try:
+            if not seq.blocks:
+                self._count("fetch_misses")
+                self.index.close(seq)
+                return None, []
+            deadline = time.monotonic() + wait_s
+            for r in seq.pending:
+                r.wait(self.num_layers - 1, max(0.0, deadline - time.monotonic()))
+            slots = self.index.held_slots(seq)
+        except TieredCacheError as exc:     # PromotionTimeout, TransferError
+            self._count("fetch_timeouts" if "did not land" in str(exc) else "fetch_failures")
+            log.info("%s: fetch gave up: %s", self.tenant, exc)
+            self.index.close(seq)
+            return None, []
+        except BaseException:
+            self.index.close(seq)
+            raise
+        self._count("fetched_blocks", len(slots))
+        return seq, slots
+
+    def release(self, seq: Sequence) -> None:
+        if not seq.closed:
+            self.index.close(seq)
+
+    def lookup(self, root: bytes, parent: bytes, tokens: np.ndarray) -> int:
+        self._count("lookups")
+        return self.index.peek(self._root_id(root), parent, tokens)
+
+    # writes -----------------------------------------------------------------------------------
+
+    def publish(self, root: bytes, entries: Seq[dict], staging: SharedPool) -> list[bool]:
+        """Copy staged blocks into the pool and index them (parents first). A block is taken
+        only if its chained key, parent and tokens check out (BlockIndex.adopt); the rest are
+        answered False and cost nothing."""
+        root_id = self._root_id(root)
+        n_staging = staging.geometry.num_slots
+        nbytes = 4 * self.block_size
+        seen: set[int] = set()
+        depth = -1
+        for i, e in enumerate(entries):
+            slot = e["slot"]
+            if slot >= n_staging or slot in seen:
+                raise BadEntryError(f"publish.entries[{i}].slot: {slot} is outside the staging "
+                                    f"area of {n_staging} slots or repeated")
+            if len(e["tokens"]) != nbytes:
+                raise BadEntryError(f"publish.entries[{i}].tokens: {len(e['tokens'])} bytes, "
+                                    f"expected {nbytes} (block_size int32 ids)")
+            if e["depth"] < depth:
+                raise BadEntryError(f"publish.entries[{i}].depth: entries must come parents "
+                                    "first (depth never decreasing)")
+            seen.add(slot)
+            depth = e["depth"]
+        try:
+            lent = self.index.lend(HOST, len(entries))
+        except CapacityError:
+            self._count("rejected_blocks", len(entries))
+            return [False] * len(entries)
+        try:
+            src, dst = staging.kv.view(torch.uint8), self.shared.kv.view(torch.uint8)
+            for e, slot in zip(entries, lent):
+                dst[slot].copy_(src[e["slot"]])
+        except BaseException:
+            self.index.unlend(HOST, lent)
+            raise
+        metas = [(slot, RecordMeta(e["key"], e["parent"], root, e["depth"], e["tokens"],
+                                   e["hits"])) for e, slot in zip(entries, lent)]
+        taken = self.index.adopt(HOST, root_id, metas)
+        n = sum(taken)
+        self._count("published_blocks", n)
+        self._count("rejected_blocks", len(taken) - n)
+        return taken
+
+    def invalidate(self, root: bytes, tokens: np.ndarray) -> int:
+        root_id = self._root_id(root)
+        with self._lock:
+            _, salt, adapter = next(v for v in self._roots.values() if v[0] == root_id)
+        return self.index.invalidate(tokens, salt=salt, adapter_id=adapter)
+
+    # data plane hooks -------------------------------------------------------------------------
+
+    def _run(self, plan) -> None:
+        self.executor.run(plan)
+
+    def _poke(self) -> None:
+        self.migrator.poke()
+
+    def _promote(self, plan, readiness) -> None:
+        assembly.promote(self.index, self.executor, self.migrator, plan, readiness)
+
+    # lifetime ---------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        out = self.index.stats()
+        out["copies"] = self.migrator.copy_stats()
+        out["threads"] = self.health.summary()
+        with self._lock:
+            out["daemon"] = dict(self.counters, roots=len(self._roots))
+        return out
+
+    def drain(self) -> int:
+        """Copy every block whose only copy is in the pool to disk (a graceful stop: the pool
+        is memory and goes with the process). Returns how many were written."""
+        if len(self.index.tiers) < 2:
+            return 0
+        written = 0
+        blocks = self.index.blocks_in(HOST)
+        for first in range(0, len(blocks), 256):
+            plan = moves.plan_copy_down(self.index, blocks[first:first + 256], HOST, DISK)
+            ok = False
+            try:
+                self.executor.run(plan)
+                ok = True
+            except TransferError as exc:
+                log.error("%s: draining %d blocks to disk failed: %s", self.tenant, len(plan),
+                          exc)
+            finally:
+                moves.commit_copy_down(self.index, plan, ok)
+            written += len(plan) if ok else 0
+        return written
+
+    def close(self, *, drain: bool = True) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.migrator.stop()
+        for seq in self.index.open_sequences():
+            self.index.close(seq, timeout=5.0)
+        if drain:
+            n = self.drain()
+            if n:
+                log.info("%s: %d blocks written to disk before stopping", self.tenant, n)
+        assembly.close_persistent(self.index, self.pools)
+        self.shared.close()
+
+    def describe(self) -> str:
+        return json.dumps({"tenant": self.tenant, "slots": self.geometry.num_slots,
+                           "tiers": [t.name for t in self.index.tiers]})
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] += n
