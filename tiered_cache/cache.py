@@ -144,7 +144,9 @@ class TieredKVCache:
                 self.index.on_copied = lambda tier, blocks: (
                     migrator.put_remote(blocks) if tier == 1 else None)
         if config.tiers.daemon is not None:
-            self.stores[0].start(on_tenant=self.index.set_tenant)
+            index = self.index
+            self.stores[0].start(on_attach=lambda salt: (index.set_tenant(salt),
+                                                         index.forget_puts(0)))
         if self.has_storage and config.compactor.enabled:
             self.compactor = Compactor(self.index, self.executor, config.compactor,
                                        health=self.health)

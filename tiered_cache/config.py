@@ -641,8 +641,8 @@ class DaemonConfig(_Section):
 
     socket: str = "/run/tiered-cache/daemon.sock"
     """Unix socket engines attach to (mode 0600 in a directory the daemon owns, 0700)."""
-    socket_mode: int = 0o600
-    """0o600 (the daemon's user only) or 0o660 (its group too: engines running as other users
+    socket_mode: int | str = 0o600
+    """"0600" (the daemon's user only) or "0660" (its group too: engines running as other users
     of the socket directory's group; with allow_gids)."""
     allow_uids: list = field(default_factory=list)
     """Client uids admitted (SO_PEERCRED); empty with allow_gids empty: only the daemon's uid."""
@@ -668,9 +668,15 @@ class DaemonConfig(_Section):
             raise ConfigError(self._key("socket"), "expected an absolute Unix socket path (at "
                                                    "most 107 bytes), got "
                                                    f"{short_repr(self.socket)}")
-        if not _is_int(self.socket_mode) or self.socket_mode not in (0o600, 0o660):
-            raise ConfigError(self._key("socket_mode"), "expected 0o600 or 0o660, got "
-                                                        f"{short_repr(self.socket_mode)}")
+        # NOTE: YAML 1.2 as loaded here has no octal ints: the mode is written as a string.
+        modes = {"0600": 0o600, "0o600": 0o600, "0660": 0o660, "0o660": 0o660}
+        mode = self.socket_mode
+        if isinstance(mode, str) and mode in modes:
+            self.socket_mode = modes[mode]
+        elif not _is_int(mode) or mode not in (0o600, 0o660):
+            raise ConfigError(self._key("socket_mode"), "expected \"0600\" or \"0660\" (a "
+                                                        "string: YAML has no octal numbers), "
+                                                        f"got {short_repr(mode)}")
         for key in ("allow_uids", "allow_gids"):
             v = getattr(self, key)
             if not isinstance(v, list) or len(v) > 4096 or not all(

@@ -293,9 +293,12 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
                 prev = -2                       # unknown parent: nothing can match
         if prev != -2:
             matched = self._match_after(seq, prev, parent_key)
+        asked = seq.num_tokens
         seq.num_tokens = len(matched) * bs      # a hold: no slot for tokens not found
         seq.written = [0] * self.num_layers
-        return self._start(seq, matched, promote, t0)
+        seq = self._start(seq, matched, promote, t0)
+        self.counters.query_tokens += asked - seq.num_tokens   # looked up, found or not
+        return seq
 
     def peek(self, root_id: int, parent_key: bytes, tokens: np.ndarray) -> int:
         """How many leading blocks of `tokens` after `parent_key` `open_blocks` would find
@@ -311,6 +314,12 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
                 if prev == NO_BLOCK or self.blocks.root_id[prev] != root_id:
                     return 0
             return len(self._match_after(seq, prev, parent_key))
+
+    def known(self, keys: list[bytes]) -> list[bool]:
+        """Whether each key names a block in the index."""
+        with self.lock:
+            prefix = self.prefix
+            return [k in prefix for k in keys]
 
     def register_root(self, salt: str | bytes | None = None,
                       adapter_id: str | None = None) -> tuple[bytes, int]:

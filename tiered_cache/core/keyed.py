@@ -151,7 +151,16 @@ class KeyedOps:
             bit = 1 << keyed.position
             have = self._slots[src]
             plan = []
-            for b in sorted(dict.fromkeys(blocks), key=t.depth.__getitem__):
+            todo = dict.fromkeys(blocks)
+            for b in blocks:
+                # NOTE: a block is only taken where its parent is, so ancestors not put yet
+                # (their put failed, or the store lost them: a daemon restart) go first.
+                p = t.parent[b]
+                while p != NO_BLOCK and p not in todo and not t.stored[p] & bit \
+                        and have[p] != NO_SLOT:
+                    todo[p] = None
+                    p = t.parent[p]
+            for b in sorted(todo, key=t.depth.__getitem__):
                 if t.key[b] is None or have[b] == NO_SLOT or t.stored[b] & bit \
                         or t.in_flight[b]:
                     continue
@@ -159,6 +168,14 @@ class KeyedOps:
                                      meta=self.record_meta(b)))
                 self.begin_move(b)
             return plan
+
+    def forget_puts(self, tier: int) -> None:
+        """Keyed tier `tier` lost what it held (the node daemon restarted): every block may
+        be put there again."""
+        with atomic(), self.lock:
+            bit = 1 << self.keyed[tier].position
+            stored = self.blocks.view("stored")
+            stored &= np.uint8(0xFF ^ bit)
 
     def commit_puts(self, plan: list[Transfer], tier: int, ok: bool) -> None:
         with atomic(), self.lock:

@@ -11,6 +11,7 @@ changes the cache, so there is no admin surface to protect.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -76,15 +77,21 @@ class DaemonCollector(Collector):
         refused = CounterMetricFamily(f"{D}_rejected_blocks", "Published blocks not taken "
                                                               "(failed a check, or no room)",
                                       labels=["tenant"])
+        requests_by = CounterMetricFamily(f"{D}_partition_requests", "Fetches and lookups a "
+                                          "partition served, by outcome",
+                                          labels=["tenant", "kind"])
         for name, part in list(svc.partitions.items()):
             c = part.stats()["daemon"]
             fetched.add_metric([name], c["fetched_blocks"])
             published.add_metric([name], c["published_blocks"])
             refused.add_metric([name], c["rejected_blocks"])
+            for kind in ("fetches", "fetch_misses", "fetch_timeouts", "fetch_failures",
+                         "lookups"):
+                requests_by.add_metric([name, kind], c[kind])
         up = GaugeMetricFamily(f"{D}_up", "1 while the daemon serves and all its threads live")
         up.add_metric([], 1.0 if svc.healthy()[0] else 0.0)
         yield from (clients, handles, requests, rejected, errors, failures, reaped, reaped_h,
-                    fetched, published, refused, up)
+                    fetched, published, refused, requests_by, up)
 
 
 def serve_http(service, addr: str, port: int) -> tuple[ThreadingHTTPServer, threading.Thread]:
@@ -116,9 +123,18 @@ def serve_http(service, addr: str, port: int) -> tuple[ThreadingHTTPServer, thre
             pass                        # scrapes every few seconds: not worth a log line
 
     try:
-        server = ThreadingHTTPServer((addr, port), Handler)
+        family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        raise ConfigError("metrics.http_addr", f"cannot resolve {addr!r}: {exc}") from None
+
+    class Server(ThreadingHTTPServer):
+        address_family = family         # "::" and IPv6 addresses as well as IPv4
+
+    try:
+        server = Server((addr, port), Handler)
     except OSError as exc:
-        raise ConfigError("metrics.http_port", f"cannot serve on {addr}:{port}: "
+        raise ConfigError("metrics.http_port", f"cannot serve on {addr}:{port} "
+                                               f"(metrics.http_addr:port): "
                                                f"{exc.strerror or exc}") from None
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="tc-daemon-http", daemon=True)

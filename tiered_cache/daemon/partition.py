@@ -77,6 +77,22 @@ class ShmHostPool:
         self.num_slots = shared.geometry.num_slots
 
 
+def _copy_runs(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor,
+               dst_slots: list[int]) -> None:
+    """dst[dst_slots[i]] = src[src_slots[i]], one copy per run of slots consecutive on both
+    sides (staging slots are 0, 1, 2, ... and lent slots are mostly consecutive too)."""
+    a, b = src.view(torch.uint8), dst.view(torch.uint8)
+    i, n = 0, len(src_slots)
+    while i < n:
+        j = i + 1
+        while j < n and src_slots[j] == src_slots[j - 1] + 1 and \
+                dst_slots[j] == dst_slots[j - 1] + 1:
+            j += 1
+        s0, d0 = src_slots[i], dst_slots[i]
+        b[d0:d0 + j - i].copy_(a[s0:s0 + j - i])
+        i = j
+
+
 def namespace_of(config: CacheConfig) -> Namespace:
     model = config.model
     return Namespace(model.name, model.dtype, model.num_layers, model.num_kv_heads,
@@ -135,7 +151,7 @@ class Partition:
         self._lock = threading.Lock()
         self.counters = {"fetches": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "published_blocks": 0, "rejected_blocks": 0, "lookups": 0,
-                         "fetch_timeouts": 0, "fetch_failures": 0}
+                         "fetch_timeouts": 0, "fetch_failures": 0, "duplicate_blocks": 0}
         self._closed = False
 
     # roots ------------------------------------------------------------------------------------
@@ -223,24 +239,32 @@ class Partition:
                                     "first (depth never decreasing)")
             seen.add(slot)
             depth = e["depth"]
+        # Blocks already here (another engine computed them too) are not copied at all.
+        new = [i for i, known in enumerate(self.index.known([e["key"] for e in entries]))
+               if not known]
+        taken = [False] * len(entries)
+        if not new:
+            self._count("duplicate_blocks", len(entries))
+            return taken
         try:
-            lent = self.index.lend(HOST, len(entries))
+            lent = self.index.lend(HOST, len(new))
         except CapacityError:
             self._count("rejected_blocks", len(entries))
-            return [False] * len(entries)
+            return taken
         try:
-            src, dst = staging.kv.view(torch.uint8), self.shared.kv.view(torch.uint8)
-            for e, slot in zip(entries, lent):
-                dst[slot].copy_(src[e["slot"]])
+            _copy_runs(staging.kv, [entries[i]["slot"] for i in new], self.shared.kv, lent)
         except BaseException:
             self.index.unlend(HOST, lent)
             raise
-        metas = [(slot, RecordMeta(e["key"], e["parent"], root, e["depth"], e["tokens"],
-                                   e["hits"])) for e, slot in zip(entries, lent)]
-        taken = self.index.adopt(HOST, root_id, metas)
+        metas = [(slot, RecordMeta(entries[i]["key"], entries[i]["parent"], root,
+                                   entries[i]["depth"], entries[i]["tokens"],
+                                   entries[i]["hits"])) for i, slot in zip(new, lent)]
+        for i, ok in zip(new, self.index.adopt(HOST, root_id, metas)):
+            taken[i] = ok
         n = sum(taken)
         self._count("published_blocks", n)
-        self._count("rejected_blocks", len(taken) - n)
+        self._count("duplicate_blocks", len(entries) - len(new))
+        self._count("rejected_blocks", len(new) - n)
         return taken
 
     def invalidate(self, root: bytes, tokens: np.ndarray) -> int:

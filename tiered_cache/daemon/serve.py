@@ -78,9 +78,10 @@ def main(args: argparse.Namespace) -> int:
         stop.wait()
         log.info("stopping: draining clients and writing the pool to disk")
     finally:
+        # /health answers 503 while the pool drains; the endpoint goes last.
+        service.stop(drain=True)
         if http is not None:
             http[0].shutdown()
             http[0].server_close()
-        service.stop(drain=True)
     log.info("stopped")
     return 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Hashable
@@ -72,7 +73,13 @@ class NodeService:
                                           socket_mode=d.socket_mode),
                              disconnected=self._disconnected)
         self.started = time.time()
-        for tenant in sorted(set(d.tenants.values())):
+        # Partitions are built at start for every tenant that can be known in advance (so that
+        # a client's hello does not wait for a pool to be mapped and a disk to be recovered):
+        # the configured ones, and the daemon's own user's when only it is admitted.
+        tenants = set(d.tenants.values())
+        if allow is None:
+            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
+        for tenant in sorted(tenants):
             self.partition(tenant)
 
     # lifetime ---------------------------------------------------------------------------------

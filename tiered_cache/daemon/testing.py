@@ -258,5 +258,28 @@ class ServerProcess:
             self.stop()
 
 
+class NodeProcess(ServerProcess):
+    """The real node daemon (`python -m tiered_cache serve --config PATH`) in a subprocess,
+    for tests and benchmarks: `start()` returns once it listens (it prints READY)."""
+
+    def __init__(self, config_path: str | os.PathLike[str], socket_path: str, *args: str,
+                 log_path: str | os.PathLike[str] | None = None) -> None:
+        super().__init__(socket_path, *args, log_path=log_path)
+        self.config_path = str(config_path)
+
+    def start(self, timeout_s: float = 120.0) -> NodeProcess:
+        with open(self.log_path, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tiered_cache", "serve", "--config", self.config_path,
+                 *self.args], stdout=subprocess.PIPE, stderr=err, text=True)
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("READY"):
+            self.kill()
+            raise RuntimeError(f"node daemon did not start: {line!r}\n{self.log()}")
+        return self
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -56,7 +56,6 @@ class DaemonTier:
         self.namespace = namespace
         self.gpu = gpu                          # this engine's device pool (for warm-up)
         self.device = gpu.kv.device
-        self._warm = False
         self._protocol = make_protocol(max_frame)
         self._lock = threading.Lock()           # connection state; copies out of the pool
         self._put_lock = threading.Lock()       # one user of the staging area at a time
@@ -69,7 +68,7 @@ class DaemonTier:
         self._names: dict[bytes, tuple[bytes, str | None]] = {}    # root -> (salt, adapter)
         self.lease_s = 10.0
         self.tenant = ""
-        self.on_tenant = None                   # called with the tenant salt on each attach
+        self.on_attach = None                   # called with the tenant salt on each attach
         self.counters = {"attaches": 0, "attach_failures": 0, "lost": 0, "fetches": 0,
                          "fetched_blocks": 0, "void_copies": 0, "put_blocks": 0,
                          "taken_blocks": 0, "errors": 0, "timeouts": 0, "root_mismatches": 0}
@@ -84,9 +83,12 @@ class DaemonTier:
     def available(self) -> bool:
         return self._client is not None
 
-    def start(self, on_tenant) -> DaemonTier:
-        """Attach now if the daemon answers (else keep trying in the background)."""
-        self.on_tenant = on_tenant
+    def start(self, on_attach) -> DaemonTier:
+        """Attach now if the daemon answers (else keep trying in the background).
+        `on_attach(tenant_salt)` runs after every attach: a new daemon may have lost what the
+        old one held, and keys roots under the salt it assigns."""
+        self.on_attach = on_attach
+        self._warm_up()
         try:
             self._attach()
         except Exception as exc:         # noqa: BLE001 - the daemon may simply not be up yet
@@ -143,29 +145,29 @@ class DaemonTier:
             self.tenant = hello["tenant"]
             self.counters["attaches"] += 1
         _close_all(*old)
-        if not self._warm:
-            with self._put_lock:        # staging slot 0 is the warm-up's meanwhile
-                self._warm_up(pool, staging)
-        if self.on_tenant is not None:
-            self.on_tenant(hello["salt"])
+        if self.on_attach is not None:
+            self.on_attach(hello["salt"])
         log.info("tiers.daemon: attached to %s as client %d (tenant %s, %d pool slots)",
                  self.path, hello["client"], self.tenant, g.num_slots)
 
-    def _warm_up(self, pool: SharedPool, staging: SharedPool) -> None:
-        """Both copy paths once, so that the first real ones (a put, a load) do not pay for
-        kernel compilation (about a second on CPU). Touches no slot anyone uses: device slot
-        0 is only read, into this client's own staging slot 0; pool slot 0 is copied into a
-        scratch device tensor."""
+    def _warm_up(self) -> None:
+        """Both copy paths once, before attaching, so that the first real ones (a put, a load)
+        do not pay for kernel compilation (about a second on CPU) and no lease waits on it.
+        Reads device slot 0 into a private one-slot mapping laid out like the daemon's, and
+        copies that into a scratch device tensor: no slot anyone uses is written."""
         from tiered_cache import kernels
 
         kv = self.gpu.kv
         if kv.shape[2] < 1:
             return
-        kernels.copy_blocks_to_host(kv, [0], staging.kv, [0])
-        scratch = torch.empty((*kv.shape[:2], 1, *kv.shape[3:]), dtype=kv.dtype,
-                              device=kv.device)
-        kernels.copy_blocks_to_gpu(pool.kv, [0], scratch, [0])
-        self._warm = True
+        g = self.geometry
+        with SharedPool.create(PoolGeometry(1, g.num_layers, g.block_size, g.num_kv_heads,
+                                            g.head_dim, g.dtype), name="warm-up",
+                               populate=False) as scratch_pool:
+            kernels.copy_blocks_to_host(kv, [0], scratch_pool.kv, [0])
+            scratch = torch.empty((*kv.shape[:2], 1, *kv.shape[3:]), dtype=kv.dtype,
+                                  device=kv.device)
+            kernels.copy_blocks_to_gpu(scratch_pool.kv, [0], scratch, [0])
 
     def _lost(self, exc: BaseException) -> None:
         """The connection failed: forget it (the daemon reaps what it held) and reattach in the
@@ -202,10 +204,12 @@ class DaemonTier:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                     self._wake.wait(backoff)
                     self._wake.clear()
-                    backoff = min(5.0, backoff * 2)
+                    backoff = min(2.0, backoff * 2)
                     continue
             if self._stop.wait(self.lease_s / 3):
                 return
+            if self._client is not client:
+                continue
             try:
                 client.call("heartbeat")
             except Exception as exc:     # noqa: BLE001 - the daemon went away, or reaped us
