@@ -214,7 +214,8 @@ def test_daemon_killed_and_restarted_under_load(tmp_path):
     # new daemon afterwards.
     assert not any(r["by_tier"].get("daemon") for r in rounds[killed_at + 2:restarted_at])
     assert rounds[-1]["attaches"] == 2
-    assert any(r["by_tier"].get("daemon") for r in rounds[restarted_at:]), (killed_at, restarted_at, rounds[restarted_at:][::10])
+    assert any(r["by_tier"].get("daemon") for r in rounds[restarted_at:]), (
+        killed_at, restarted_at, rounds[restarted_at:][::10])
 
 
 def test_sigterm_drains_the_pool_to_disk_and_a_restart_recovers_it(tmp_path):
@@ -370,7 +371,7 @@ def test_random_requests_never_hurt_the_daemon(node):
         os.close(fd)
     root = c.call("root", salt=b"")["root"]
     errors = 0
-    for i in range(400):
+    for _ in range(400):
         op = rng.choice(["fetch", "release", "publish", "lookup", "root", "invalidate"])
         key = bytes(rng.integers(0, 256, 16, dtype=np.uint8))
         toks = rng.integers(0, 2**31 - 1, int(rng.integers(0, 64)))

@@ -33,7 +33,6 @@ from tiered_cache.daemon.client import Client
 from tiered_cache.daemon.errors import DaemonError
 from tiered_cache.daemon.ops import make_protocol
 from tiered_cache.daemon.testing import NodeProcess
-from tiered_cache.errors import ConfigError
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana-dashboard.json"

@@ -4,11 +4,10 @@ the kernel refuse writes. After each, a new DiskPool on the same path must recov
 whose write() returned, with identical bytes, and never list a record that does not read back
 exactly.
 
-Writers are real processes: a fresh interpreter (`python -m tests.test_disk_crash writer ...`)
-for the random kills, forked children of the test process for the crash points (hundreds of
-them would be slow to start as interpreters). The files, syscalls and SIGKILL are real; the only
-thing a crash-point child changes is that its k-th `os.pwritev` writes a prefix of its bytes
-with `os.pwrite` and then SIGKILLs its own process.
+Writers are real processes, each a fresh interpreter (`python -m tests.test_disk_crash MODE`):
+the files, syscalls and SIGKILL are real; the only thing a crash-point child changes is that its
+k-th `os.pwritev` writes a prefix of its bytes with `os.pwrite` and then SIGKILLs its own
+process.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import json
 import os
 import random
 import resource
-import select
 import signal
 import subprocess
 import sys
@@ -144,39 +142,18 @@ def test_sigkill_at_random_moments_recovers_every_completed_write(tmp_path):
 
 
 # ----------------------------------------------------------------------------- crash points
-def in_child(fn: Callable[[], object]) -> tuple[int, str]:
-    """Run fn() in a forked child; returns its exit code (-9: SIGKILLed) and what it
-    reported (fn's JSON result, or a traceback)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                     # pragma: no cover - the child
-        os.close(r)
-        code = 0
-        try:
-            os.write(w, json.dumps(fn()).encode())
-        except BaseException:
-            os.write(w, traceback.format_exc().encode())
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    chunks = []
-    try:
-        while True:
-            # NOTE: a hang guard, not a timing assertion: a child forked from a process with
-            # other threads could deadlock on a lock one of them held at the fork.
-            ready, _, _ = select.select([r], [], [], 120)
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-                raise AssertionError("the child hung; killed")
-            chunk = os.read(r, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
+def in_child(*args: str) -> tuple[int, str]:
+    """Run `python -m tests.test_disk_crash *args` (one of CHILDREN) in a fresh interpreter;
+    returns its exit code (-9: SIGKILLed) and what it reported on stdout (its JSON result, or
+    a traceback).
+
+    NOTE: not os.fork(): a fork of the test process must commit as much memory as that process
+    has mapped, which a long pytest run (torch, pools) can push past what the kernel's
+    overcommit check allows (ENOMEM in CI). subprocess starts children with vfork/exec."""
+    # A hang guard, not a timing assertion.
+    proc = subprocess.run([sys.executable, "-m", "tests.test_disk_crash", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def crash_at(k: int, cut: str) -> None:
@@ -199,6 +176,7 @@ def crash_at(k: int, cut: str) -> None:
 
 OLD = [0, 1, 2, 3, 4, 5, 6, 7]
 BATCH = [2, 3, 4, 6, 10, 11, 13]                     # reused run, reused single, fresh ones
+GONE = [0, 1, 5]
 
 
 def _populate(path: Path) -> set[str]:
@@ -207,30 +185,38 @@ def _populate(path: Path) -> set[str]:
     return {f"old{s}" for s in OLD} | {f"new{s}" for s in BATCH}
 
 
-def _run_crash_points(path: Path, cut: str, op: Callable[[DiskPool], None],
+OPS: dict[str, Callable[[DiskPool], None]] = {
+    "write": lambda pool: write(pool, BATCH, [f"new{s}" for s in BATCH]),
+    "erase": lambda pool: pool.erase(GONE),
+    "hits": lambda pool: pool.update_hits([1, 2], [9, 9]),
+}
+
+
+def crash_child(path: str, k: str, cut: str, op: str) -> str:
+    """The crash-point child: OPS[op] on the pool at `path`, its k-th pwritev torn + SIGKILL."""
+    pool = pool_at(Path(path))
+    crash_at(int(k), cut)
+    OPS[op](pool)
+    pool.close()
+    return "completed"
+
+
+def _run_crash_points(path: Path, cut: str, op: str,
                       check: Callable[[dict[int, tuple[str, int]]], None]) -> int:
-    """Crash `op` at its 1st, 2nd, ... pwritev until it completes; check each outcome.
+    """Crash OPS[op] at its 1st, 2nd, ... pwritev until it completes; check each outcome.
     Returns the number of crash points."""
     idents = _populate(path)
     base = path.with_name(path.name + "-base")
     os.rename(path, base)
     for k in range(1, 64):
         subprocess.run(["cp", "-a", str(base), str(path)], check=True)
-
-        def child(k=k) -> str:
-            pool = pool_at(path)
-            crash_at(k, cut)
-            op(pool)
-            pool.close()
-            return "completed"
-
-        code, report = in_child(child)
+        code, report = in_child("crash", str(path), str(k), cut, op)
         with pool_at(path) as pool:
             got = recovered(pool, idents)
         check(got, completed=(code == 0))
         subprocess.run(["rm", "-rf", str(path)], check=True)
         if code == 0:
-            assert report == '"completed"'
+            assert report.strip() == '"completed"', report
             return k - 1
         assert code == -signal.SIGKILL, report
     raise AssertionError("the operation never completed")
@@ -238,9 +224,6 @@ def _run_crash_points(path: Path, cut: str, op: Callable[[DiskPool], None],
 
 @pytest.mark.parametrize("cut", ["none", "half", "all_but_one"])
 def test_write_killed_at_every_io_call(tmp_path, cut):
-    def op(pool):
-        write(pool, BATCH, [f"new{s}" for s in BATCH])
-
     def check(got, completed):
         for s in range(SLOTS):
             now = got.get(s, (None, 0))[0]
@@ -252,24 +235,22 @@ def test_write_killed_at_every_io_call(tmp_path, cut):
             else:
                 assert now == old, (s, now)              # untouched slots keep their record
 
-    points = _run_crash_points(tmp_path / "pool", cut, op, check)
+    points = _run_crash_points(tmp_path / "pool", cut, "write", check)
     assert points >= 9      # tombstones (2 runs), payloads (4 runs), headers (4 runs)
 
 
 @pytest.mark.parametrize("cut", ["none", "half"])
 def test_erase_killed_at_every_io_call(tmp_path, cut):
-    gone = [0, 1, 5]
-
     def check(got, completed):
         for s in range(SLOTS):
             now = got.get(s, (None, 0))[0]
             old = f"old{s}" if s in OLD else None
-            if s in gone:
+            if s in GONE:
                 assert now in ({None} if completed else {old, None}), (s, now)
             else:
                 assert now == old, (s, now)
 
-    assert _run_crash_points(tmp_path / "pool", cut, lambda p: p.erase(gone), check) >= 2
+    assert _run_crash_points(tmp_path / "pool", cut, "erase", check) >= 2
 
 
 @pytest.mark.parametrize("cut", ["none", "half"])
@@ -284,11 +265,31 @@ def test_hits_update_killed_at_every_io_call(tmp_path, cut):
             else:
                 assert now == ((f"old{s}", 0) if s in OLD else None), (s, now)
 
-    assert _run_crash_points(tmp_path / "pool", cut,
-                             lambda p: p.update_hits([1, 2], [9, 9]), check) >= 1
+    assert _run_crash_points(tmp_path / "pool", cut, "hits", check) >= 1
 
 
 # ----------------------------------------------------------------------------- a full disk
+def fsize_child(path: str, limit: str, o_direct: str) -> dict:
+    """The full-disk child: writes under RLIMIT_FSIZE = limit."""
+    pool = pool_at(Path(path), o_direct=bool(int(o_direct)))
+    pool.scan()
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (Python's default too) -> EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), int(limit)))
+    out = {}
+    try:
+        write(pool, [7, 8, 9], ["b7", "b8", "b9"])
+    except DiskFullError as exc:
+        out["write"] = [type(exc).__name__, exc.errno, str(exc)]
+    write(pool, [4, 5], ["c4", "c5"])              # below the limit: still works
+    try:
+        pool.resize(4 * SLOTS)
+    except DiskFullError as exc:
+        out["resize"] = [type(exc).__name__, str(exc)]
+    out["num_slots"] = pool.num_slots
+    pool.close()
+    return out
+
+
 @pytest.mark.parametrize("o_direct", [False, True])
 @pytest.mark.parametrize("limit_at", [3 * 4096, 3 * 4096 + 100])
 def test_file_size_limit_makes_write_raise_disk_full_and_keeps_records(tmp_path, o_direct,
@@ -301,26 +302,7 @@ def test_file_size_limit_makes_write_raise_disk_full_and_keeps_records(tmp_path,
         write(pool, [0, 1, 2, 3], ["a0", "a1", "a2", "a3"])
     limit = 8 * stride + limit_at                    # inside slot 8's payload area
 
-    def child() -> dict:
-        pool = pool_at(tmp_path, o_direct=o_direct)
-        pool.scan()
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (Python's default too) -> EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-        out = {}
-        try:
-            write(pool, [7, 8, 9], ["b7", "b8", "b9"])
-        except DiskFullError as exc:
-            out["write"] = [type(exc).__name__, exc.errno, str(exc)]
-        write(pool, [4, 5], ["c4", "c5"])              # below the limit: still works
-        try:
-            pool.resize(4 * SLOTS)
-        except DiskFullError as exc:
-            out["resize"] = [type(exc).__name__, str(exc)]
-        out["num_slots"] = pool.num_slots
-        pool.close()
-        return out
-
-    code, report = in_child(child)
+    code, report = in_child("fsize", str(tmp_path), str(limit), str(int(o_direct)))
     assert code == 0, report
     out = json.loads(report)
     name, err, msg = out["write"]
@@ -351,3 +333,11 @@ if __name__ == "__main__":
     mode, *args = sys.argv[1:]
     if mode == "writer":
         writer_main(args[0], int(args[1]), int(args[2]))
+    else:
+        child = {"crash": crash_child, "fsize": fsize_child}[mode]
+        try:
+            result = child(*args)
+        except BaseException:
+            traceback.print_exc(file=sys.stdout)
+            sys.exit(1)
+        print(json.dumps(result), flush=True)
