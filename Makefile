@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job (one engine: no reuse / GPU only / tiered), then the node daemon's job (two
+# engine processes sharing prefixes through `tiered-cache serve`).
 run: $(STAMP)
 	$(VENV)/bin/tiered-cache run --config $(CONFIG)
+	$(VENV)/bin/tiered-cache run-shared --config $(CONFIG)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest

@@ -41,7 +41,8 @@ class JsonFormatter(logging.Formatter):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="the daemon's YAML (configs/daemon.yaml)")
     parser.add_argument("--socket", default=None, help="override daemon.socket")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="log level")
 
 
 def setup_logging(fmt: str, level: str) -> None:

@@ -19,6 +19,8 @@ COMMANDS = {
     "plan": ("tiered_cache.tools.planner", "how many tokens fit in each tier for a config"),
     "run": ("tiered_cache.tools.mainjob",
             "serve a multi-turn workload through the cache, three ways"),
+    "run-shared": ("tiered_cache.tools.sharedjob",
+                   "two engine processes sharing one node daemon: reuse across processes"),
     "replay": ("tiered_cache.tools.replay", "replay a request trace through the control plane"),
     "serve": ("tiered_cache.daemon.serve", "run the node daemon engines on this node share"),
 }

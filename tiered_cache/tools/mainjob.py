@@ -295,6 +295,46 @@ def _open(cache, ids, model, retries: int = 200):
 
 # ------------------------------------------------------------------------------- serving
 
+@dataclass
+class Served:
+    out: list[int]
+    ttft_s: float
+    latency_s: float
+    cached: int
+    by_tier: dict[str, int]
+
+
+def serve_prompt(model, cache, kwarg: str, prompt: np.ndarray, new_tokens: int,
+                 chunk: int) -> Served:
+    """One request: open (reuse), chunked prefill of the rest, greedy decode of `new_tokens`
+    tokens, close. `cache` None: a fresh DynamicCache (no reuse). Time to first token = open
+    + prefill + argmax."""
+    import torch
+    from transformers import DynamicCache
+
+    from tiered_cache.integrations.transformers import prefill
+
+    ids = torch.from_numpy(prompt).unsqueeze(0)
+    t0 = time.perf_counter()
+    if cache is None:
+        past, cached, by_tier = DynamicCache(config=model.config), 0, {}
+    else:
+        past = _open(cache, ids, model)
+        cached, by_tier = past.num_cached_tokens, dict(past.cached_tokens_by_tier)
+    logits = prefill(model, past, ids, chunk_size=chunk)
+    token = int(logits[0].argmax())
+    ttft = time.perf_counter() - t0
+    out = [token]
+    for _ in range(new_tokens - 1):
+        step = model(input_ids=torch.tensor([[token]], device=model.device),
+                     use_cache=True, **{kwarg: past})
+        token = int(step.logits[0, -1].argmax())
+        out.append(token)
+    if cache is not None:
+        past.close()
+    return Served(out, ttft, time.perf_counter() - t0, cached, by_tier)
+
+
 class Runner:
     """Serves the workload's requests in one mode, one request per `step`."""
 
@@ -309,43 +349,20 @@ class Runner:
         self.result = ModeResult(mode)
 
     def step(self, turn: int, user: int) -> None:
-        """Serve user `user`'s turn `turn`: open (reuse), chunked prefill of the rest, greedy
-        decode of `new_tokens` tokens, close. Time to first token = open + prefill + argmax."""
-        import torch
-        from transformers import DynamicCache
-
-        from tiered_cache.integrations.transformers import prefill
-
-        model, w, r = self.model, self.workload, self.result
+        """Serve user `user`'s turn `turn` (see `serve_prompt`) and record it."""
+        w, r = self.workload, self.result
         prompt = np.concatenate([self.history[user], self.messages[user][turn]])
-        ids = torch.from_numpy(prompt).unsqueeze(0)
-        t0 = time.perf_counter()
-        if self.cache is None:
-            past, cached, by_tier = DynamicCache(config=model.config), 0, {}
-        else:
-            past = _open(self.cache, ids, model)
-            cached, by_tier = past.num_cached_tokens, past.cached_tokens_by_tier
-        logits = prefill(model, past, ids, chunk_size=self.chunk)
-        token = int(logits[0].argmax())
-        ttft = time.perf_counter() - t0
-        out = [token]
-        for _ in range(w.new_tokens - 1):
-            step = model(input_ids=torch.tensor([[token]], device=model.device),
-                         use_cache=True, **{self.kwarg: past})
-            token = int(step.logits[0, -1].argmax())
-            out.append(token)
-        if self.cache is not None:
-            past.close()
-        latency = time.perf_counter() - t0
-        r.latency_s.append(latency)
-        r.ttft_s.append(ttft)
-        r.service_s += latency
+        served = serve_prompt(self.model, self.cache, self.kwarg, prompt, w.new_tokens,
+                              self.chunk)
+        r.latency_s.append(served.latency_s)
+        r.ttft_s.append(served.ttft_s)
+        r.service_s += served.latency_s
         r.prompt_tokens += len(prompt)
-        r.prefill_tokens += len(prompt) - cached
-        for tier, n in by_tier.items():
+        r.prefill_tokens += len(prompt) - served.cached
+        for tier, n in served.by_tier.items():
             r.hit_tokens[tier] = r.hit_tokens.get(tier, 0) + n
-        r.outputs.append(out)
-        self.history[user] = np.concatenate([prompt, np.asarray(out, dtype=np.int64)])
+        r.outputs.append(served.out)
+        self.history[user] = np.concatenate([prompt, np.asarray(served.out, dtype=np.int64)])
 
     def finish(self) -> ModeResult:
         if self.cache is not None:
