@@ -15,7 +15,9 @@ per layer; on CPU the copies are torch ops that release the GIL.
 
 Faults: a failed copy is retried up to `max_retries` times, then given up with a logged reason;
 the block stays valid in its source tier and the failure is counted
-(`tiered_cache_transfer_failures_total`). An unexpected exception anywhere in a thread is
+(`tiered_cache_transfer_failures_total`). A demotion batch given up pauses demotion out of
+its tier for a moment (`_RETRY_PAUSE_S`): requests then evict synchronously and, the copy
+path still failing, drop their victims. An unexpected exception anywhere in a thread is
 logged, counted (`ThreadHealth`), its plan committed as failed, and the thread carries on.
 """
 
@@ -336,6 +338,12 @@ class Migrator:
                 log.warning("demotion into tier %d paused for %.0f s: %s", src + 1,
                             _PAUSE_S, error)
                 self._paused[src] = time.monotonic() + _PAUSE_S
+            elif error is not None:
+                # NOTE: any other failure backs off too. Re-planning at once would keep the
+                # tier's candidates in flight batch after batch, so a request evicting
+                # synchronously would find none and wait for room until it timed out; paused,
+                # its eviction drops the victims (degraded_evictions) and it is served.
+                self._paused[src] = max(self._paused[src], time.monotonic() + _RETRY_PAUSE_S)
             return error
 
         try:
@@ -475,6 +483,9 @@ class Migrator:
 
 _PAUSE_S = 10.0
 """How long demotion into a tier waits after the tier reported itself full or failing."""
+
+_RETRY_PAUSE_S = 0.2
+"""How long demotion out of a tier waits after a batch's copy failed for another reason."""
 
 
 def _unavailable(error: BaseException | None) -> bool:

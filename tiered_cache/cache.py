@@ -304,9 +304,11 @@ class TieredKVCache:
         _check_salt(salt)
         _check_adapter(adapter_id)
         if not isinstance(reserve_last, bool):
-            raise TypeError(f"reserve_last: expected a bool, got {type(reserve_last).__name__}")
+            raise ArgumentError(f"reserve_last: expected a bool, got "
+                                f"{type(reserve_last).__name__}")
         deadline = time.monotonic() + self.config.migrator.wait_timeout_s
         while True:
+            seq = None
             try:
                 with atomic():
                     seq = self.index.open(tokens, salt=salt, adapter_id=adapter_id,
@@ -314,10 +316,16 @@ class TieredKVCache:
                     if self.stores and not interrupt_pending():
                         shared_tiers.note_open(self, seq)
                         shared_tiers.load(self, seq)
-                    if interrupt_pending():
-                        # The caller will never see `seq`: give it back before raising.
-                        self.index.close(seq)
-                    return seq
+                return seq
+            except KeyboardInterrupt:
+                # NOTE: an interrupt deferred anywhere in the section (or landing after it)
+                # is raised before the caller has `seq`: give it back first, in a section of
+                # its own so that a second interrupt cannot cut the close.
+                if seq is not None:
+                    with atomic():
+                        if not seq.closed:
+                            self.index.close(seq)
+                raise
             except CapacityError as exc:
                 # Room is short only because background copies still hold slots they are
                 # about to free: wait for them outside the lock and try again.
@@ -329,12 +337,15 @@ class TieredKVCache:
     def can_open(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
         self._check_alive()
-        return self.index.can_open(num_tokens)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) \
+                or num_tokens < 0:
+            raise ArgumentError(f"can_open: num_tokens must be an int >= 0, got {num_tokens!r}")
+        return self.index.can_open(int(num_tokens))
 
     def append(self, seq: Sequence, token_ids) -> None:
         """Declare the next tokens of a sequence (decode steps, the next turn of a chat)."""
         self._check_alive()
-        self.index.check_open(seq)
+        self._check_seq(seq)
         tokens = as_token_array(token_ids)
         deadline = time.monotonic() + self.config.migrator.wait_timeout_s
         while True:
@@ -353,7 +364,7 @@ class TieredKVCache:
         KV that requires grad is stored detached (the pools never join an autograd graph).
         """
         self._check_alive()
-        self.index.check_open(seq)
+        self._check_seq(seq)
         self._check_layer(layer)
         n = self._check_kv(key, value)
         idx = self.index
@@ -381,7 +392,7 @@ class TieredKVCache:
         """Metadata-only mode (`storage: none`): treat every declared token as written in every
         layer and publish the full blocks. Used by simulation and trace replay."""
         self._check_alive()
-        self.index.check_open(seq)
+        self._check_seq(seq)
         if self.has_storage:
             raise StorageDisabledError("mark_computed is only for `storage: none`; with tensor "
                                        "storage, write the KV with write()")
@@ -396,8 +407,9 @@ class TieredKVCache:
         TransferError if a promotion failed (the engine should compute those tokens itself).
         """
         self._check_alive()
-        self.index.check_open(seq)
+        self._check_seq(seq)
         self._check_layer(layer)
+        _check_timeout("wait", timeout, zero=True)
         pending = seq.pending
         if not pending:
             return
@@ -414,7 +426,7 @@ class TieredKVCache:
     def gather(self, seq: Sequence, layer: int):
         """Contiguous `(key, value)`, each `[written, H, D]`, of everything written so far."""
         self._check_alive()
-        self.index.check_open(seq)
+        self._check_seq(seq)
         self._check_layer(layer)
         self._need_storage("gather")
         self.wait(seq, layer)
@@ -447,7 +459,7 @@ class TieredKVCache:
 
         self._check_alive()
         self._need_storage("prefill_attention")
-        self.index.check_open(seq)
+        self._check_seq(seq)
         self._check_layer(layer)
         import torch
 
@@ -495,6 +507,8 @@ class TieredKVCache:
         reading it is waited for (up to `timeout`, default `migrator.wait_timeout_s`, then
         BusySequenceError); a write still copying raises BusySequenceError at once."""
         self._check_alive()
+        self._check_seq(seq)
+        _check_timeout("close", timeout, zero=True)
         timeout = self.config.migrator.wait_timeout_s if timeout is None else timeout
         self.index.close(seq, timeout)
 
@@ -571,10 +585,7 @@ class TieredKVCache:
         if not 1 <= n <= 1 << 40:
             raise ArgumentError(f"resize: cannot resize tier {tier!r} to {n} blocks: at least "
                                 "1 and at most 2**40")
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < float("inf")):
-            raise ArgumentError(f"resize: timeout must be > 0 seconds or None, got {timeout!r}")
+        _check_timeout("resize", timeout, zero=False)
         return names.index(tier), n
 
     @property
@@ -614,7 +625,12 @@ class TieredKVCache:
         if self.migrator is not None and not self.migrator.stopped:
             self.migrator.copy_down(fresh)
             return
-        plan = moves.plan_copy_down(self.index, fresh, GPU, GPU + 1)
+        try:
+            plan = moves.plan_copy_down(self.index, fresh, GPU, GPU + 1)
+        except CapacityError:
+            # NOTE: the write this copy follows has already committed: a copy that finds no
+            # room below is skipped (the blocks just have no lower copy), never an error.
+            return
         ok = False
         try:
             self.executor.run(plan)
@@ -649,14 +665,21 @@ class TieredKVCache:
 
     def _check_seqs(self, seqs) -> list[Sequence]:
         if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
-            raise TypeError(f"seqs: expected a list of Sequences, got {type(seqs).__name__}")
+            raise ArgumentError(f"seqs: expected a list of Sequences, got "
+                                f"{type(seqs).__name__}")
         if not seqs:
             raise ShapeError("seqs: expected at least one sequence")
         for s in seqs:
-            self.index.check_open(s)
+            self._check_seq(s)
         if len({s.id for s in seqs}) != len(seqs):
             raise ShapeError("seqs: the same sequence appears twice")
         return list(seqs)
+
+    def _check_seq(self, seq: Sequence) -> None:
+        if not isinstance(seq, Sequence):
+            raise ArgumentError(f"expected a Sequence from TieredKVCache.open, got "
+                                f"{type(seq).__name__}")
+        self.index.check_open(seq)
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool):
@@ -690,6 +713,9 @@ class TieredKVCache:
         for name, x in (("key", key), ("value", value)):
             if not isinstance(x, torch.Tensor):
                 raise DTypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+            if x.is_nested or x.layout != torch.strided:
+                raise DTypeError(f"{name}: expected a dense (strided) tensor, got "
+                                 f"{'a nested tensor' if x.is_nested else x.layout}")
             want = (self.num_kv_heads, self.head_dim)
             if x.dim() != 3 or tuple(x.shape[1:]) != want:
                 raise ShapeError(f"{name}: expected shape [n, {want[0]}, {want[1]}] "
@@ -735,6 +761,18 @@ def _check_landed(seq: Sequence, layer: int) -> None:
     for r in seq.pending:
         if r.error is not None:
             raise TransferError(f"promotion of a block of sequence {seq.id} failed: {r.error}")
+
+
+def _check_timeout(what: str, timeout: object, *, zero: bool) -> None:
+    """None, or a finite number of seconds > 0 (>= 0 with `zero`: do not wait at all)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer,
+                                                             np.floating)) \
+            or not (0 <= timeout if zero else 0 < timeout) or not timeout < float("inf"):
+        bound = ">= 0" if zero else "> 0"
+        raise ArgumentError(f"{what}: timeout must be {bound} seconds (finite) or None, got "
+                            f"{timeout!r}")
 
 
 def _check_salt(salt: object) -> None:

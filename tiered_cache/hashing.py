@@ -173,6 +173,10 @@ def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:
         if token_ids.is_floating_point() or token_ids.is_complex() or "bool" in dtype:
             raise TokenError(f"{what}: expected integer token ids, "
                              f"got a tensor of {token_ids.dtype}")
+        kind = ("meta" if token_ids.is_meta else "nested" if token_ids.is_nested else
+                None if str(token_ids.layout) == "torch.strided" else str(token_ids.layout))
+        if kind is not None:
+            raise TokenError(f"{what}: expected a dense tensor with data, got a {kind} tensor")
         arr = token_ids.detach().cpu().numpy()
     elif isinstance(token_ids, (list, tuple, range)):
         for i, t in enumerate(token_ids):

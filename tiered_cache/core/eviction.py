@@ -52,11 +52,14 @@ class Eviction:
         and an open sequence pins whole chains, so every unpinned block can be reached by
         evicting leaves first. Pinned copies and the destinations of copies under way cannot.
         (In slower tiers this is conservative: a copy of a pinned block that also has a device
-        copy is evictable but not counted.)
+        copy is evictable but not counted.) During a shrink, evicting a block of the tail being
+        drained frees no slot anyone can have (the allocator retires it), so those blocks are
+        not room either (conservative again: a pinned tail block is subtracted twice).
         """
         tier = self.tiers[t]
         a = tier.allocator
-        return a.num_free + a.num_used - tier.pinned_blocks - tier.reserved - tier.busy
+        return (a.num_free + a.num_used - a.draining - tier.pinned_blocks - tier.reserved
+                - tier.busy)
 
     def check_room(self, t: int, n: int, extra_pinned: int = 0) -> None:
         tier = self.tiers[t]
@@ -166,6 +169,7 @@ class Eviction:
         # leaves as one run: one merge in the allocator instead of one per block), so what is
         # still missing is need() minus the slots already set aside.
         freed: list[int] = []
+        limit = tier.allocator.capacity
         # Lower-tier slots reserved in batches: one lower-tier eviction pass serves many
         # demotions instead of one per victim. Unused ones are given back at the end.
         reserve: list[int] = []
@@ -207,7 +211,11 @@ class Eviction:
                 if first_child[v] == NO_BLOCK and ref[v] == 0 and flight[v] == 0 and \
                         (not others or all(s[v] == NO_SLOT for s in others)):
                     slot = self._drop_leaf(v, t)         # the common case, in one step
-                    if slot >= 0:
+                    if slot >= limit:
+                        # NOTE: a slot in a shrink's tail is retired, not freed: no room for
+                        # anyone, so it must not count as set aside (need() sees the rest).
+                        tier.allocator.free_one(slot)
+                    elif slot >= 0:
                         freed.append(slot)
                     continue
                 self.clear_slot(v, t)
@@ -279,11 +287,19 @@ class Eviction:
     def _drop_demoted(self, plan: list[Transfer]) -> None:
         """A synchronous demotion copy failed: the victims' lower copies never got their data.
         Drop those copies (the device slots were already handed on): the blocks become misses,
-        counted as degraded evictions, rather than the request failing."""
+        counted as degraded evictions, rather than the request failing.
+
+        NOTE: a chain is demoted in one plan. Dropping a parent drops the blocks below it
+        with it (their lower copies are freed, their rows recycled), so a later entry whose
+        destination slot is no longer its block's is already gone: clearing it again would
+        free a slot twice."""
+        slots = self._slots
         for p in plan:
             v = p.block
-            self.clear_slot(v, p.dst_tier)
             self.counters.degraded_evictions += 1
+            if slots[p.dst_tier][v] != p.dst_slot:
+                continue
+            self.clear_slot(v, p.dst_tier)
             if self.blocks.fastest_tier(v) < 0:
                 self.counters.dropped_blocks += self.drop_subtree(v)
 

@@ -54,8 +54,12 @@ class LayerReadiness:
 
     def wait(self, layer: int, timeout: float | None = None) -> object | None:
         """Block until `layer` has landed (or the promotion failed, or `timeout` passed).
-        Returns the layer's device event (None on CPU) for the reader's stream to wait on."""
-        if self._ready > layer:
+        Returns the layer's device event (None on CPU) for the reader's stream to wait on.
+
+        NOTE: a failed promotion raises for every layer, those that landed before the failure
+        too: the commit of a failed promotion releases its device slots, so no layer of it
+        can be read."""
+        if self._ready > layer and self._error is None:
             return self._events[layer]
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -67,6 +71,6 @@ class LayerReadiness:
                         f"within {timeout:.3f} s ({self._ready} of {self.num_layers} layers "
                         "ready); raise migrator.wait_timeout_s or check the migrator")
                 self._cond.wait(left)
-        if self._ready <= layer and self._error is not None:
+        if self._error is not None:
             raise TransferError(f"promotion failed: {self._error}") from self._error
         return self._events[layer]

@@ -21,6 +21,9 @@ def check_q(q, batch: int, num_q_heads: int, head_dim: int, dtypes: tuple[torch.
     than every other path)."""
     if not isinstance(q, torch.Tensor):
         raise DTypeError(f"q: expected a torch.Tensor, got {type(q).__name__}")
+    if q.is_nested or q.layout != torch.strided:
+        raise DTypeError("q: expected a dense (strided) tensor, got "
+                         f"{'a nested tensor' if q.is_nested else q.layout}")
     if q.dim() != 3 or q.shape[0] != batch or q.shape[1] != num_q_heads \
             or q.shape[2] != head_dim:
         raise ShapeError(f"q: expected {shape_doc} = [{batch}, {num_q_heads}, {head_dim}], "
@@ -55,12 +58,12 @@ def layer_pools(pools: list, layer: int):
     gpu = pools[0]
     host = pools[1] if len(pools) > 1 and getattr(pools[1], "layout", None) == "block_major" \
         else None
-    gk, gv = gpu.layer(layer)
-    hk, hv = host.layer(layer) if host is not None else (None, None)
-    if gpu.scales is None:
+    # NOTE: each pool's KV and scales come from one snapshot: a resize on another thread
+    # swaps both views, and a pair of different sizes is refused by the kernels.
+    gk, gv, gks, gvs = gpu.layer_views(layer)
+    hk, hv, hks, hvs = host.layer_views(layer) if host is not None else (None,) * 4
+    if gks is None:
         return (gk, hk), (gv, hv), None, None
-    gks, gvs = gpu.layer_scales(layer)
-    hks, hvs = host.layer_scales(layer) if host is not None else (None, None)
     return (gk, hk), (gv, hv), (gks, hks), (gvs, hvs)
 
 

@@ -152,12 +152,36 @@ class _Pool:
                 mem.shrink(num_slots)
 
     def _set_views(self, num_slots: int, fill_from: int) -> None:
+        views = {}
         for attr, mem, fill in self._segmented:
             view = mem.view(num_slots)
             if fill and num_slots > fill_from:
                 idx = (slice(None),) * self._slot_dim + (slice(fill_from, num_slots),)
                 view[idx].fill_(fill)
+            views[attr] = view
+        # NOTE: readers outside the lock (attention) pair the KV with its scales: both come
+        # from `_views`, replaced in one assignment, so they always have the same size.
+        self._views = (views["kv"], views.get("scales"))
+        for attr, view in views.items():
             setattr(self, attr, view)
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(kv, scales) of one size, even while another thread resizes the pool."""
+        views = getattr(self, "_views", None)
+        return views if views is not None else (self.kv, self.scales)
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                               torch.Tensor | None]:
+        """(k, v, k_scales, v_scales) of one layer from one `views()` snapshot (scales None
+        unless FP8)."""
+        kv, scales = self.views()
+        d = self._slot_dim
+        k, v = (kv[layer, 0], kv[layer, 1]) if d else (kv[:, layer, 0], kv[:, layer, 1])
+        if scales is None:
+            return k, v, None, None
+        if d:
+            return k, v, scales[layer, 0], scales[layer, 1]
+        return k, v, scales[:, layer, 0], scales[:, layer, 1]
 
 
 class DevicePool(_Pool):
