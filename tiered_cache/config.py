@@ -792,6 +792,11 @@ class CacheConfig(_Section):
     allow_non_finite_kv: bool = False
     """Store KV containing NaN or inf. Off: write() refuses it (KVValueError), at the cost of a
     pass over the KV (a device sync on a GPU). FP8 storage refuses it either way."""
+    share_inflight: bool = False
+    """open() also takes the full prompt blocks other open sequences are computing, and waits
+    for them (core/inflight.py). Off by default: a waiter blocks in wait/attention until the
+    writer writes, so an engine must keep its writers running (one thread serving both must
+    run the writer's layer first)."""
     storage: str = "tensors"
     """tensors | none (metadata only: simulation, trace replay)."""
     adapter_id: str | None = None
@@ -815,6 +820,7 @@ class CacheConfig(_Section):
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _bool("verify_tokens", self.verify_tokens)
         _bool("allow_non_finite_kv", self.allow_non_finite_kv)
+        _bool("share_inflight", self.share_inflight)
         _choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
         for name in ("migrator", "compactor", "kernels", "metrics", "cost_model", "daemon"):
@@ -1080,6 +1086,7 @@ policy: lru               # eviction policy: a registered name or "pkg.module:Cl
 write_policy: write_back  # write_back: copy to host on eviction | write_through: as soon as full
 verify_tokens: true       # compare stored token ids on a hash match
 allow_non_finite_kv: false  # store KV with NaN/inf (off: write() refuses it; costs a pass)
+share_inflight: false     # open() takes prompt blocks other open sequences are computing
 storage: tensors          # tensors | none (metadata only: simulation and trace replay)
 adapter_id: null          # LoRA/adapter id; part of the hash namespace
 

@@ -64,8 +64,9 @@ class KeyedOps:
             n = 0
             for key in keys:
                 i = m + n
-                if i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None:
-                    break
+                if (i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None
+                        or self._ref[seq.blocks[i]] != 1):
+                    break               # (ref > 1: another sequence waits on us computing it)
                 n += 1
             keyed = self.keyed[tier]
             staged = keyed.staged
@@ -74,8 +75,8 @@ class KeyedOps:
             if not n or (staged and (len(self.tiers) < 2 or self.room(HOST) < n)):
                 return 0
             parent = seq.chain if m else NO_BLOCK
-            if parent < 0 and m:
-                return 0                # a block before these could not be published
+            if m and (parent < 0 or t.key[parent] is None):
+                return 0                # a block before these is not published (yet)
             blocks = seq.blocks[m:m + n]
             stage = self.reserve(HOST, n)[::-1] if staged else []
             readiness = LayerReadiness(self.num_layers, n)
@@ -100,7 +101,10 @@ class KeyedOps:
                     self._kids[DEVICE][parent] += 1
                     if self._cand[parent]:
                         self._refresh(parent)
-                seq.keys.append(key)
+                if i < len(seq.keys):
+                    seq.keys[i] = key   # (computed at open: core/inflight.py)
+                else:
+                    seq.keys.append(key)
                 meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
                                   i, t.token_bytes(b), 0)
                 if staged:
@@ -131,6 +135,8 @@ class KeyedOps:
             keyed.hit_tokens += n * bs
             keyed.loads += n
             self.counters.hit_tokens += n * bs
+            if seq.registered:
+                self._published_inflight(seq, m, m + n)
             return n
 
     def note_skipped(self, tier: int) -> None:

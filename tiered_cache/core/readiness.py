@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tiered_cache.errors import PromotionTimeout, TransferError
+from tiered_cache.errors import PrefixAbortedError, PromotionTimeout, TransferError
 
 
 class LayerReadiness:
@@ -27,6 +27,7 @@ class LayerReadiness:
         self._cond = threading.Condition()
         self.created = time.perf_counter()
         self.zero_copy = True       # False: a block is staged from disk; readers must wait
+        self.inflight = False       # True: waits on another sequence computing the blocks
 
     @property
     def ready_layers(self) -> int:
@@ -68,5 +69,7 @@ class LayerReadiness:
                         "ready); raise migrator.wait_timeout_s or check the migrator")
                 self._cond.wait(left)
         if self._ready <= layer and self._error is not None:
+            if isinstance(self._error, PrefixAbortedError):
+                raise PrefixAbortedError(str(self._error)) from self._error
             raise TransferError(f"promotion failed: {self._error}") from self._error
         return self._events[layer]
