@@ -18,6 +18,9 @@ Invariants (`check_invariants` asserts them; the stateful property tests after e
    `_refresh`, the only place that decides candidacy.)
 5. Every block of an open sequence has a copy in the device tier (tier 0), unless its
    promotion failed (its waiters then get TransferError).
+6. A block registered as being computed (`share_inflight`, core/inflight.py) is an unpublished
+   block of the open sequence that registered it, at the depth it was registered for, and its
+   key is not published.
 
 NOTE: public methods take the lock themselves (it is re-entrant) inside a commit section
 (core/atomic.py): a SIGINT cannot cut a mutation in half. Methods whose names start with `_`
@@ -163,6 +166,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
                                         admit_min_hits=spec.admit_min_hits))
+        self.stage_tier = next((t.index for t in self.tiers if t.kind == "host"), None)
+        """The slot tier a staged keyed tier (remote) lands its loads in before the device."""
         self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k, staged=spec.staged,
                                  put_from=spec.put_from)
                       for k, spec in enumerate(keyed)]

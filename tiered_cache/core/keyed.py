@@ -26,7 +26,7 @@ from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.core.transfer import RecordMeta, Transfer
 
-DEVICE, HOST = 0, 1
+DEVICE = 0
 
 
 class KeyedOps:
@@ -72,13 +72,14 @@ class KeyedOps:
             staged = keyed.staged
             if slots is not None:
                 n = min(n, len(slots))
-            if not n or (staged and (len(self.tiers) < 2 or self.room(HOST) < n)):
+            host = self.stage_tier
+            if not n or (staged and (host is None or self.room(host) < n)):
                 return 0
             parent = seq.chain if m else NO_BLOCK
             if m and (parent < 0 or t.key[parent] is None):
                 return 0                # a block before these is not published (yet)
             blocks = seq.blocks[m:m + n]
-            stage = self.reserve(HOST, n)[::-1] if staged else []
+            stage = self.reserve(host, n)[::-1] if staged else []
             readiness = LayerReadiness(self.num_layers, n)
             readiness.zero_copy = False
             root = self.root_keys[seq.root_id]
@@ -109,8 +110,8 @@ class KeyedOps:
                                   i, t.token_bytes(b), 0)
                 if staged:
                     h = stage.pop()
-                    plan.append(Transfer(b, keyed.index, NO_SLOT, HOST, h, meta=meta))
-                    plan.append(Transfer(b, HOST, h, DEVICE, dev[b]))
+                    plan.append(Transfer(b, keyed.index, NO_SLOT, host, h, meta=meta))
+                    plan.append(Transfer(b, host, h, DEVICE, dev[b]))
                 else:
                     plan.append(Transfer(b, keyed.index, slots[j], DEVICE, dev[b], meta=meta,
                                          ticket=ticket))
