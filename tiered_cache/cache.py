@@ -138,7 +138,7 @@ class TieredKVCache:
         if self.has_storage and config.migrator.enabled:
             # Keyed tiers written as blocks get a copy in the tier they are put from.
             puts = [k for k, keyed in enumerate(self.index.keyed)
-                    if keyed.put_from < len(self.index.tiers)]
+                    if keyed.put_from is not None]
             self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
                                      put_tiers=puts, on_copy=self._observe)
             if puts:

@@ -528,8 +528,8 @@ class RemoteTierConfig(_Section):
 @dataclass
 class DaemonTierConfig(_Section):
     """An engine attached to the node daemon (`tiered-cache serve`): the daemon's tiers (its
-    shared host pool, disk, remote) sit beneath this engine's GPU tier. The engine keeps its
-    GPU tier and kernels; KV moves through shared memory, never the socket."""
+    shared host pool, and disk when configured) sit beneath this engine's GPU tier. The engine
+    keeps its GPU tier and kernels; KV moves through shared memory, never the socket."""
 
     _PATH: ClassVar[str] = "tiers.daemon"
 
@@ -537,8 +537,9 @@ class DaemonTierConfig(_Section):
     """The daemon's Unix socket (daemon.socket in its config)."""
     timeout_s: float = 5.0
     """Longest wait for one reply of the daemon (then it counts as gone)."""
-    lookup_deadline_ms: float = 5.0
-    """Hard deadline of the lookup in open()."""
+    lookup_deadline_ms: float = 2000.0
+    """Longest the daemon may take in open() to make the blocks it found ready (a read from
+    its disk tier) before it answers "absent"; the reply itself is bounded by timeout_s."""
     write: str = "on_compute"
     """on_compute: every block this engine computes is published to the daemon (in the
     background), where the other engine processes of the node find it; off: only read."""
@@ -635,7 +636,8 @@ class CompactorConfig(_Section):
 @dataclass
 class DaemonConfig(_Section):
     """`tiered-cache serve`: the node daemon. Its tiers are this config's host (in shared
-    memory), disk and remote tiers (tiers.gpu is ignored: the daemon owns no GPU)."""
+    memory) and disk tiers (tiers.gpu is ignored: the daemon owns no GPU; tiers.remote is
+    refused: not supported inside the daemon yet)."""
 
     _PATH: ClassVar[str] = "daemon"
 

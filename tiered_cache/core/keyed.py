@@ -152,7 +152,7 @@ class KeyedOps:
         with atomic(), self.lock:
             keyed = self.keyed[tier]
             src = keyed.put_from
-            if src >= len(self.tiers):
+            if src is None:                     # a read-only keyed tier
                 return []
             t = self.blocks
             bit = 1 << keyed.position
