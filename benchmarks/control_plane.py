@@ -25,6 +25,14 @@ met is reported as measured.
 
     python benchmarks/control_plane.py            # 10^3 .. 10^6 cached blocks
     python benchmarks/control_plane.py --quick    # 10^3 .. 10^5
+    python benchmarks/control_plane.py --memory [--repo OLD_CHECKOUT]
+
+`--memory`: Python memory per cached block instead (target: at most 300 bytes at 10^5 and 10^6
+blocks). Each size runs in a fresh interpreter: tracemalloc is started before the cache is
+built, the cache is filled as above, and (traced bytes after - before) / N is reported, next
+to the same fill of a plain dict of the N keys (the least any prefix index holds). `--repo`
+measures another checkout the same way (e.g. the commit before the control-plane rewrite, in a
+git worktree), so before and after come from the same run.
 """
 
 from __future__ import annotations
@@ -221,6 +229,76 @@ def measure(n_blocks: int, sample: int, repeats: int, seed: int) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------- memory
+
+
+def memory_child(n_blocks: int) -> dict:
+    """In a fresh interpreter: traced Python bytes per cached block of a filled cache, and of
+    a plain dict holding the same keys."""
+    import tracemalloc
+
+    warm = make_cache(PROMPT_BLOCKS)        # imports and one-time set-up, not per block
+    s = warm.open(prompt(0))
+    warm.mark_computed(s)
+    warm.close(s)
+    root = warm.hasher.root(None)[0]
+    warm.shutdown()
+    del warm, s
+    gc.collect()
+    gc.disable()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    cache = make_cache(n_blocks)
+    n_prompts, rest = divmod(n_blocks, PROMPT_BLOCKS)
+    for i in range(n_prompts + (rest > 0)):
+        p = prompt(i) if i < n_prompts else prompt(i)[:rest * BLOCK]
+        s = cache.open(p)
+        cache.mark_computed(s)
+        cache.close(s)
+    gc.collect()
+    ours = tracemalloc.get_traced_memory()[0] - base
+    assert cache.stats()["cached_blocks"] == n_blocks
+    cache.shutdown()
+    del cache
+    gc.collect()
+    base2 = tracemalloc.get_traced_memory()[0]
+    plain = {key: 0 for i in range(n_prompts) for key in chain_keys(root, prompt(i))}
+    plain_bytes = tracemalloc.get_traced_memory()[0] - base2
+    keys = list(plain)
+    del plain
+    return {"cached_blocks": n_blocks, "bytes_per_block": round(ours / n_blocks, 1),
+            "dict_of_keys_bytes_per_block": round(plain_bytes / max(1, len(keys)), 1)}
+
+
+def memory(sizes: list[int], repo: str | None, out: str) -> dict:
+    import json
+    import subprocess
+
+    rows = []
+    checkouts = [("this", str(Path(__file__).resolve().parent.parent))]
+    if repo:
+        checkouts.append(("other", str(Path(repo).resolve())))
+    for label, root in checkouts:
+        for n in sizes:
+            env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+            proc = subprocess.run([sys.executable, __file__, "--memory-child", str(n)],
+                                  capture_output=True, text=True, env=env, cwd=root,
+                                  timeout=3600)
+            if proc.returncode != 0:
+                raise SystemExit(f"{label} ({root}), {n} blocks: {proc.stderr[-2000:]}")
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            rows.append({"checkout": label, "path": root, **row,
+                         "meets_300": row["bytes_per_block"] <= 300})
+    print_table(rows, ["checkout", "cached_blocks", "bytes_per_block",
+                       "dict_of_keys_bytes_per_block", "meets_300"],
+                title="control plane: Python bytes per cached block (tracemalloc, fresh "
+                      "process, storage: none)")
+    payload = {"benchmark": "control_plane_memory", "rows": rows,
+               "target_bytes_per_block": 300, "environment": environment()}
+    write_json(out, payload)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="10^3 .. 10^5 cached blocks only")
@@ -228,8 +306,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sample", type=int, default=100, help="prompts per timed loop")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="results/control_plane.json")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--memory", action="store_true",
+                    help="bytes per cached block instead (fresh process per size)")
+    ap.add_argument("--repo", default=None,
+                    help="with --memory: also measure this checkout (e.g. an older commit)")
+    ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.memory_child:
+        import json
+
+        print(json.dumps(memory_child(args.memory_child)))
+        return {}
+    if args.memory:
+        return memory(args.sizes or ([10**4, 10**5] if args.quick else [10**5, 10**6]),
+                      args.repo, args.out or "results/control_plane_memory.json")
+    args.out = args.out or "results/control_plane.json"
     sizes = args.sizes or ([10**3, 10**4, 10**5] if args.quick
                            else [10**3, 10**4, 10**5, 10**6])
 

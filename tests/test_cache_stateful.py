@@ -33,7 +33,7 @@ from tests.helpers import (
     snapshot,
     write_pattern,
 )
-from tiered_cache.errors import CapacityError
+from tiered_cache.errors import CapacityError, PrefixAbortedError
 from tiered_cache.policies import POLICIES
 
 BLOCK = 4
@@ -81,6 +81,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert seq.written == [c] * self.cache.num_layers
         assert seq.token_ids.tolist() == prompt
 
+    def check(self, seq) -> None:
+        """Every gathered element of every layer is the pattern of its position."""
+        check_pattern(self.cache, seq)
+
     # -------------------------------------------------------------------- rules
     @rule(i=st.integers(0, 63), salt=st.sampled_from(SALTS), reserve_last=st.booleans(),
           extra=st.lists(ALPHABET, max_size=3))
@@ -93,7 +97,7 @@ class CacheMachine(RuleBasedStateMachine):
             self.check_opened(seq, prompt, reserve_last)
             self.seqs.append(seq)
             if self.storage == "tensors":
-                check_pattern(self.cache, seq)        # the cached prefix is this tenant's KV
+                self.check(seq)        # the cached prefix is this tenant's KV
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 63), layer=st.integers(0, 1), n=st.integers(0, 12))
@@ -133,7 +137,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.check_opened(seq, prompt, False)
         self.fill(seq)
         if self.storage == "tensors":
-            check_pattern(self.cache, seq)
+            self.check(seq)
         self.cache.close(seq)
 
     @precondition(lambda self: self.seqs)
@@ -166,7 +170,7 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.seqs and self.storage == "tensors")
     @rule(i=st.integers(0, 63))
     def gather_and_check(self, i):
-        check_pattern(self.cache, self.seqs[i % len(self.seqs)])
+        self.check(self.seqs[i % len(self.seqs)])
 
     # -------------------------------------------------------------------- invariants
     @invariant()
@@ -186,7 +190,7 @@ class CacheMachine(RuleBasedStateMachine):
             return
         if self.storage == "tensors":
             for seq in self.seqs:
-                check_pattern(self.cache, seq)
+                self.check(seq)
         self.cache.shutdown()
         check_invariants(self.cache)
         s = self.cache.stats()
@@ -217,6 +221,28 @@ class TensorMachine(CacheMachine):
         self.pool = [stem + suf for stem in stems for suf in suffixes][:12]
 
 
+class InflightTensorMachine(TensorMachine):
+    """`share_inflight: true`: open() takes blocks other open sequences are computing. One
+    thread runs every rule, so a layer a writer has not written yet is skipped (waiting would
+    never end); a layer ready is checked, an aborted one must raise PrefixAbortedError."""
+
+    @initialize(gpu=st.integers(6, 12), host=st.integers(0, 8), stems=pool_st,
+                suffixes=pool_st, policy=st.sampled_from(["lru", "s3fifo"]))
+    def setup(self, gpu, host, stems, suffixes, policy):
+        self.build(gpu_blocks=gpu, host_blocks=host, dtype=self.dtype, policy=policy,
+                   share_inflight=True)
+        self.pool = [stem + suf for stem in stems for suf in suffixes][:12]
+
+    def check(self, seq) -> None:
+        for layer in range(self.cache.num_layers):
+            waits = [r for r in seq.pending if r.inflight and r.ready_layers <= layer]
+            if any(r.error is not None for r in waits):
+                with pytest.raises(PrefixAbortedError):
+                    self.cache.gather(seq, layer)
+            elif not waits:
+                check_pattern(self.cache, seq, layer)
+
+
 class MetadataMachine(CacheMachine):
     """Storage-free (`storage: none`): larger tiers and runs, every policy, mark_computed."""
 
@@ -225,10 +251,11 @@ class MetadataMachine(CacheMachine):
     @initialize(gpu=st.integers(6, 40), host=st.integers(0, 40), stems=pool_st,
                 suffixes=pool_st, policy=st.sampled_from(sorted(POLICIES)),
                 write_policy=st.sampled_from(WRITE_POLICIES),
-                verify=st.booleans())
-    def setup(self, gpu, host, stems, suffixes, policy, write_policy, verify):
+                verify=st.booleans(), inflight=st.booleans())
+    def setup(self, gpu, host, stems, suffixes, policy, write_policy, verify, inflight):
+        # inflight: open() takes blocks open sequences are computing (core/inflight.py).
         self.build(gpu_blocks=gpu, host_blocks=host, policy=policy, write_policy=write_policy,
-                   verify_tokens=verify)
+                   verify_tokens=verify, share_inflight=inflight)
         self.pool = [stem + suf for stem in stems for suf in suffixes][:20]
 
     @precondition(lambda self: self.seqs)
@@ -253,6 +280,10 @@ def test_tensor_cache_state_machine(dtype, write_policy):
     machine = type(f"TensorMachine_{dtype}_{write_policy}", (TensorMachine,),
                    {"dtype": dtype, "write_policy": write_policy})
     run_state_machine_as_test(machine, settings=TENSOR_SETTINGS)
+
+
+def test_tensor_cache_state_machine_sharing_inflight():
+    run_state_machine_as_test(InflightTensorMachine, settings=TENSOR_SETTINGS)
 
 
 def test_metadata_cache_state_machine():

@@ -25,7 +25,7 @@ from tiered_cache.policies import POLICIES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-SHIPPED = ["default.yaml", "llama-70b-h200.yaml", "daemon.yaml"]
+SHIPPED = ["default.yaml", "llama-70b-h200.yaml", "daemon.yaml", "engine-daemon.yaml"]
 
 
 def error(data) -> str:
@@ -86,8 +86,14 @@ def test_70b_and_daemon_configs():
     assert cfg.metrics.http_port is None
     daemon = CacheConfig.from_yaml(CONFIGS / "daemon.yaml")
     assert daemon.metrics.http_port == 9400
+    assert daemon.daemon.socket == "/run/tiered-cache/daemon.sock"
     daemon.metrics.http_port = None
+    daemon.daemon = cfg.daemon
     assert daemon == cfg
+    # The engine attached to it names blocks the same way (same namespace) and finds its socket.
+    engine = CacheConfig.from_yaml(CONFIGS / "engine-daemon.yaml")
+    assert engine.tiers.daemon.socket == daemon.daemon.socket
+    assert (engine.model, engine.block_size) == (daemon.model, daemon.block_size)
 
 
 def test_to_dict_is_plain_and_block_size_resolved(monkeypatch):

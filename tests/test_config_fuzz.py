@@ -220,6 +220,10 @@ BASE = CacheConfig.from_dict({"tiers": {"gpu": {"device": "cpu", "num_blocks": 8
                                          "disk": {"path": "/tmp/x", "num_blocks": 8},
                                          "remote": {"url": "redis://127.0.0.1:6379/0"}}}
                              ).to_dict()
+# An engine attached to a node daemon has no disk or remote tier of its own.
+BASE_DAEMON = CacheConfig.from_dict({"tiers": {"gpu": {"device": "cpu", "num_blocks": 8},
+                                                "daemon": {"socket": "/tmp/x/daemon.sock"}}}
+                                    ).to_dict()
 
 one_bad_value = st.one_of(
     st.sampled_from([10**400, -(10**400), BigInt(10**5000), float("inf"), float("nan"), 1e308]),
@@ -232,7 +236,7 @@ def test_one_bad_value_names_its_key(key, value):
     """A valid config with one value replaced: it loads, or the error names that key (or a key
     it is tied to). This finds a missing check on every key quickly, where a random mapping
     often fails first on another key."""
-    data = pickle.loads(pickle.dumps(BASE))
+    data = pickle.loads(pickle.dumps(BASE_DAEMON if key.startswith("tiers.daemon.") else BASE))
     *parents, leaf = key.split(".")
     node = data
     for part in parents:

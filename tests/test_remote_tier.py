@@ -97,6 +97,21 @@ def test_a_second_cache_loads_what_the_first_put(flushed):
     b.shutdown()
 
 
+def test_write_off_only_reads(flushed):
+    ro = remote_cache(flushed.url, write="off")
+    ps = [prompt(i) for i in range(12)]
+    publish(ro, ps)
+    assert ro.stats()["tiers"]["remote"]["put_blocks"] == 0
+    assert flushed.raw().dbsize() == 0               # nothing reached the server
+    a = remote_cache(flushed.url)
+    publish(a, ps)
+    assert flushed.raw().dbsize() > 0
+    got = sum(serve(ro, p).get("remote", 0) for p in ps[:2])    # ... but it reads
+    assert got > 0
+    a.shutdown()
+    ro.shutdown()
+
+
 _WRITER = """
 import sys
 sys.path.insert(0, {repo!r})

@@ -41,6 +41,7 @@ from tiered_cache.errors import (
     DTypeError,
     KVValueError,
     LayerError,
+    PrefixAbortedError,
     ShapeError,
     StorageDisabledError,
     TierUnavailableError,
@@ -95,6 +96,7 @@ class TieredKVCache:
                                 num_layers=self.num_layers, hasher=self.hasher,
                                 block_bytes=self.block_bytes,
                                 verify_tokens=config.verify_tokens,
+                                share_inflight=config.share_inflight,
                                 write_through=config.write_policy == "write_through",
                                 run=self._run, on_pressure=self._poke,
                                 high_watermark=config.migrator.high_watermark,
@@ -136,7 +138,7 @@ class TieredKVCache:
         if self.has_storage and config.migrator.enabled:
             # Keyed tiers written as blocks get a copy in the tier they are put from.
             puts = [k for k, keyed in enumerate(self.index.keyed)
-                    if keyed.put_from < len(self.index.tiers)]
+                    if keyed.put_from is not None]
             self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
                                      put_tiers=puts, on_copy=self._observe)
             if puts:
@@ -368,6 +370,7 @@ class TieredKVCache:
         self._check_layer(layer)
         n = self._check_kv(key, value)
         idx = self.index
+        event = None
         with atomic():
             start = idx.begin_write(seq, layer, n)
             ok = False
@@ -383,9 +386,16 @@ class TieredKVCache:
                     pool = self.pools[GPU]
                     dev = pool.kv.device
                     pool.write_tokens(layer, flat, key.detach().to(dev), value.detach().to(dev))
+                    if seq.waiters and dev.type == "cuda":
+                        # Sequences sharing these blocks (core/inflight.py) read them from
+                        # their own streams: order their reads after this copy.
+                        import torch
+
+                        event = torch.cuda.Event()
+                        event.record()
                 ok = True
             finally:
-                fresh = idx.end_write(seq, layer, start, n, ok)
+                fresh = idx.end_write(seq, layer, start, n, ok, event)
             self._published(fresh)
 
     def mark_computed(self, seq: Sequence) -> None:
@@ -759,6 +769,10 @@ class TieredKVCache:
 
 def _check_landed(seq: Sequence, layer: int) -> None:
     for r in seq.pending:
+        if r.inflight:
+            if r.error is not None and r.ready_layers <= layer:
+                raise PrefixAbortedError(str(r.error))
+            continue                # its ready layers stay readable after an abort
         if r.error is not None:
             raise TransferError(f"promotion of a block of sequence {seq.id} failed: {r.error}")
 

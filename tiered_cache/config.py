@@ -528,8 +528,8 @@ class RemoteTierConfig(_Section):
 @dataclass
 class DaemonTierConfig(_Section):
     """An engine attached to the node daemon (`tiered-cache serve`): the daemon's tiers (its
-    shared host pool, disk, remote) sit beneath this engine's GPU tier. The engine keeps its
-    GPU tier and kernels; KV moves through shared memory, never the socket."""
+    shared host pool, and disk when configured) sit beneath this engine's GPU tier. The engine
+    keeps its GPU tier and kernels; KV moves through shared memory, never the socket."""
 
     _PATH: ClassVar[str] = "tiers.daemon"
 
@@ -537,8 +537,9 @@ class DaemonTierConfig(_Section):
     """The daemon's Unix socket (daemon.socket in its config)."""
     timeout_s: float = 5.0
     """Longest wait for one reply of the daemon (then it counts as gone)."""
-    lookup_deadline_ms: float = 5.0
-    """Hard deadline of the lookup in open()."""
+    lookup_deadline_ms: float = 2000.0
+    """Longest the daemon may take in open() to make the blocks it found ready (a read from
+    its disk tier) before it answers "absent"; the reply itself is bounded by timeout_s."""
     write: str = "on_compute"
     """on_compute: every block this engine computes is published to the daemon (in the
     background), where the other engine processes of the node find it; off: only read."""
@@ -635,7 +636,8 @@ class CompactorConfig(_Section):
 @dataclass
 class DaemonConfig(_Section):
     """`tiered-cache serve`: the node daemon. Its tiers are this config's host (in shared
-    memory), disk and remote tiers (tiers.gpu is ignored: the daemon owns no GPU)."""
+    memory) and disk tiers (tiers.gpu is ignored: the daemon owns no GPU; tiers.remote is
+    refused: not supported inside the daemon yet)."""
 
     _PATH: ClassVar[str] = "daemon"
 
@@ -792,6 +794,11 @@ class CacheConfig(_Section):
     allow_non_finite_kv: bool = False
     """Store KV containing NaN or inf. Off: write() refuses it (KVValueError), at the cost of a
     pass over the KV (a device sync on a GPU). FP8 storage refuses it either way."""
+    share_inflight: bool = False
+    """open() also takes the full prompt blocks other open sequences are computing, and waits
+    for them (core/inflight.py). Off by default: a waiter blocks in wait/attention until the
+    writer writes, so an engine must keep its writers running (one thread serving both must
+    run the writer's layer first)."""
     storage: str = "tensors"
     """tensors | none (metadata only: simulation, trace replay)."""
     adapter_id: str | None = None
@@ -815,6 +822,7 @@ class CacheConfig(_Section):
         _choice("write_policy", self.write_policy, WRITE_POLICIES)
         _bool("verify_tokens", self.verify_tokens)
         _bool("allow_non_finite_kv", self.allow_non_finite_kv)
+        _bool("share_inflight", self.share_inflight)
         _choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
         for name in ("migrator", "compactor", "kernels", "metrics", "cost_model", "daemon"):
@@ -1080,6 +1088,7 @@ policy: lru               # eviction policy: a registered name or "pkg.module:Cl
 write_policy: write_back  # write_back: copy to host on eviction | write_through: as soon as full
 verify_tokens: true       # compare stored token ids on a hash match
 allow_non_finite_kv: false  # store KV with NaN/inf (off: write() refuses it; costs a pass)
+share_inflight: false     # open() takes prompt blocks other open sequences are computing
 storage: tensors          # tensors | none (metadata only: simulation and trace replay)
 adapter_id: null          # LoRA/adapter id; part of the hash namespace
 

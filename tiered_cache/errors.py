@@ -61,6 +61,12 @@ class TransferError(TieredCacheError):
     """A copy between tiers failed; the block stays valid in its source tier."""
 
 
+class PrefixAbortedError(TransferError):
+    """Blocks this sequence shares with another open sequence that was computing them will
+    never be written: that sequence closed first. Compute those tokens yourself (close the
+    sequence and open it again)."""
+
+
 class PromotionTimeout(TieredCacheError, TimeoutError):
     """A layer of an in-flight promotion did not land within the wait timeout."""
 

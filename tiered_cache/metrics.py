@@ -41,6 +41,14 @@ class CacheCollector(Collector):
                                   labels=["tier"])
         for tier, n in s["hit_tokens_by_tier"].items():
             hit.add_metric([tier], n)
+        inflight = CounterMetricFamily(f"{PREFIX}_inflight_hit_tokens",
+                                       "Prompt tokens open() took from blocks other open "
+                                       "sequences were computing (share_inflight)")
+        inflight.add_metric([], s["inflight_hit_tokens"])
+        aborts = CounterMetricFamily(f"{PREFIX}_inflight_aborts",
+                                     "Waiters whose writer closed before writing the blocks "
+                                     "they took (PrefixAbortedError)")
+        aborts.add_metric([], s["inflight_aborts"])
         evictions = CounterMetricFamily(f"{PREFIX}_evictions",
                                         "Block copies that left a tier to make room",
                                         labels=["tier"])
@@ -135,8 +143,9 @@ class CacheCollector(Collector):
             background.add_metric([name], t["errors"])
             alive.add_metric([name], 1.0 if t["alive"] else 0.0)
         index = self.index
-        yield from (query, hit, evictions, capacity, used, pinned, moves, moved_bytes,
-                    collisions, cached, open_seqs, failures, retries, sync, compaction, frag,
+        yield from (query, hit, inflight, aborts, evictions, capacity, used, pinned, moves,
+                    moved_bytes, collisions, cached, open_seqs, failures, retries, sync,
+                    compaction, frag,
                     degraded, background, alive, corrupt, recovered, loaded, load_failed,
                     skipped, put, store_errors, store_up,
                     _histogram("lock_hold_seconds", "Control-plane lock hold time, per hold",

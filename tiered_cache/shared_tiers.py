@@ -17,7 +17,6 @@ from tiered_cache.errors import ConfigError
 log = logging.getLogger("tiered_cache.cache")
 
 DEVICE = 0
-FETCH_WAIT_MS = 2000
 """How long the daemon may take to bring blocks up from its disk for one fetch."""
 
 
@@ -55,7 +54,7 @@ def _daemon(cache, config: CacheConfig) -> tuple[list, list]:
     pool = DaemonTier(d.socket, timeout_s=d.timeout_s, geometry=geometry,
                       namespace=cache.hasher.namespace_digest(),
                       gpu=cache.pools[DEVICE])
-    put_from = DEVICE if d.write == "on_compute" else 1 << 30
+    put_from = DEVICE if d.write == "on_compute" else None
     return [TierSpec("daemon", "daemon", 0, staged=False, put_from=put_from)], [pool]
 
 
@@ -96,7 +95,7 @@ def _load_daemon(cache, seq: Sequence) -> None:
         return
     bs = cache.block_size
     handle, slots = daemon.fetch(seq.root, last, seq.token_ids[m * bs:(m + n) * bs],
-                                 FETCH_WAIT_MS)
+                                 int(cache.config.tiers.daemon.lookup_deadline_ms))
     if not handle:
         return
     taken = 0
@@ -159,7 +158,8 @@ def _remote(cache, config: CacheConfig, specs: list[TierSpec]) -> tuple[list, li
         store = RedisStore(url, verify=False, **kw)
     pool = RemoteTier(store, host_kv=host.kv, host_scales=host.scales,
                       namespace=cache.hasher.namespace_digest())
-    return [TierSpec("remote", "remote", 0)], [pool]
+    put_from = 1 if remote.write == "on_host" else None     # off: this cache only reads
+    return [TierSpec("remote", "remote", 0, put_from=put_from)], [pool]
 
 
 def _load_remote(cache, seq: Sequence) -> None:

@@ -18,6 +18,9 @@ Invariants (`check_invariants` asserts them; the stateful property tests after e
    `_refresh`, the only place that decides candidacy.)
 5. Every block of an open sequence has a copy in the device tier (tier 0), unless its
    promotion failed (its waiters then get TransferError).
+6. A block registered as being computed (`share_inflight`, core/inflight.py) is an unpublished
+   block of the open sequence that registered it, at the depth it was registered for, and its
+   key is not published.
 
 NOTE: public methods take the lock themselves (it is re-entrant) inside a commit section
 (core/atomic.py): a SIGINT cannot cut a mutation in half. Methods whose names start with `_`
@@ -42,6 +45,7 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
+from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedOps
 from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
@@ -94,6 +98,8 @@ class Counters:
     corrupt_blocks: int = 0
     recovered_blocks: int = 0
     skipped_loads: int = 0
+    inflight_hit_tokens: int = 0
+    inflight_aborts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -132,10 +138,11 @@ def _mutator(fn):
     return wrapper
 
 
-class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
+class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
     def __init__(self, specs: list[TierSpec], *, policy: PolicyFactory, block_size: int,
                  num_layers: int, hasher: BlockHasher, block_bytes: int = 0,
-                 verify_tokens: bool = True, write_through: bool = False,
+                 verify_tokens: bool = True, share_inflight: bool = False,
+                 write_through: bool = False,
                  run: Run | None = None, on_pressure: Callable[[], None] | None = None,
                  high_watermark: float = 1.0, keyed: list[TierSpec] = (),
                  worth: Worth | None = None) -> None:
@@ -146,6 +153,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         self.block_bytes = block_bytes
         self.hasher = hasher
         self.verify_tokens = verify_tokens
+        self.share_inflight = share_inflight
         self.write_through = write_through
         # NOTE: every live block holds at least one slot (a private block its device slot, a
         # dropped one the slots its copies still use), so the table never needs more rows
@@ -158,6 +166,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
                                         admit_min_hits=spec.admit_min_hits))
+        self.stage_tier = next((t.index for t in self.tiers if t.kind == "host"), None)
+        """The slot tier a staged keyed tier (remote) lands its loads in before the device."""
         self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k, staged=spec.staged,
                                  put_from=spec.put_from)
                       for k, spec in enumerate(keyed)]
@@ -178,6 +188,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         self.high_watermark = high_watermark
         self._open: dict[int, Sequence] = {}
         self._readers_done = threading.Condition()   # end_read -> close waiting for it
+        self._init_inflight()
         self._bind()
 
     def _bind(self) -> None:
@@ -262,13 +273,17 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         self.root_keys[root_id] = root
         seq = Sequence(id(self), root, root_id, tokens, self.num_layers, salt, adapter_id)
         matched = self._match(seq)
-        if reserve_last and matched and len(matched) * self.block_size >= len(tokens):
-            matched.pop()
+        shared = self._match_inflight(seq, matched) if self.share_inflight else []
+        if reserve_last and (len(matched) + len(shared)) * self.block_size >= len(tokens) > 0:
+            (shared or matched).pop()
             seq.keys.pop()
         seq.reserve_last = reserve_last
         if self.worth is not None and matched:
+            n = len(matched)
             self._trim_slow(seq, matched)
-        return self._start(seq, matched, promote, t0)
+            if len(matched) < n:
+                shared = []                 # (their keys went with the trimmed ones)
+        return self._start(seq, matched, promote, t0, shared)
 
     @_mutator
     def open_blocks(self, root_id: int, parent_key: bytes, tokens: np.ndarray,
@@ -365,13 +380,15 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         return matched
 
     def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
-               t0: float) -> Sequence:
-        """The rest of `open`: pin the matched blocks, make them resident in tier 0, give the
-        sequence slots for the tokens after them."""
+               t0: float, shared: list[int] = ()) -> Sequence:
+        """The rest of `open`: pin the matched blocks, make them resident in tier 0, take the
+        `shared` blocks other sequences are computing after them (core/inflight.py), give the
+        sequence slots for the tokens after those."""
         tokens = seq.token_ids
         survey = self._survey(matched)
         promote_ids = survey.promote
-        need = len(promote_ids) + -(-len(tokens) // self.block_size) - len(matched)
+        need = (len(promote_ids) + -(-len(tokens) // self.block_size) - len(matched)
+                - len(shared))
         # Check room before pinning, so that a refused open leaves even the policies' order
         # untouched: blocks this open would pin stop being evictable.
         self.check_room(GPU, need, extra_pinned=survey.pinning)
@@ -415,11 +432,21 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
             by_tier[tier.name] = bs * n
         for keyed in self.keyed:
             by_tier[keyed.name] = 0
-        cached = len(matched) * bs
         seq.blocks = matched
         seq.chain = matched[-1] if matched else NO_BLOCK
         seq.num_published = len(matched)
+        if shared:
+            # NOTE: counted as published: the writer publishes them, never this sequence.
+            seq.blocks = matched + shared
+            seq.chain = shared[-1]
+            seq.num_published = len(seq.blocks)
+            taken = self._take(seq, shared, len(matched))
+            self.tiers[GPU].hit_tokens += taken
+            by_tier[self.tiers[GPU].name] += taken
+        cached = len(seq.blocks) * bs
         self._new_blocks(seq, slots[len(promote_ids):])
+        if self.share_inflight:
+            self._register(seq)
         seq.num_cached_tokens = cached
         seq.written = [cached] * self.num_layers
         seq.cached_tokens_by_tier = by_tier
@@ -464,13 +491,18 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         return start
 
     @_mutator
-    def end_write(self, seq: Sequence, layer: int, start: int, n: int, ok: bool) -> list[int]:
+    def end_write(self, seq: Sequence, layer: int, start: int, n: int, ok: bool,
+                  event: object | None = None) -> list[int]:
         """Finish a write begun by `begin_write`; on success advance the layer and publish the
-        blocks that became full in every layer. Returns those fresh blocks."""
+        blocks that became full in every layer. Returns those fresh blocks. `event`: a device
+        event recorded after the copy, for sequences waiting on these blocks."""
         seq.writing.discard(layer)
         if not ok:
             return []
         seq.written[layer] = start + n
+        if seq.waiters:
+            seq.write_events[layer] = event
+            self._progress(seq)
         return self._publish_ready(seq)
 
     @_mutator
@@ -478,6 +510,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         """Metadata-only mode: every declared token counts as written in every layer."""
         self.check_open(seq)
         seq.written = [seq.num_tokens] * self.num_layers
+        if seq.waiters:
+            self._progress(seq)
         return self._publish_ready(seq)
 
     def close(self, seq: Sequence, timeout: float | None = None) -> None:
@@ -513,6 +547,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
             ids = np.asarray(blocks, dtype=np.intp)
             t.view("last_access")[ids[t.view("published")[ids] != 0]] = self.clock
         # Leaf first, so ties in recency evict the deepest block of a chain first.
+        if seq.registered or seq.waiters:
+            self._close_inflight(seq)
         for b in self._unpin_all(blocks[::-1]):
             if key[b] is None and self._flight[b] == 0:
                 self._release(b)
@@ -692,6 +728,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
         kids0, dev, lower = self._kids[0], self._slots[GPU], self._slots[1:]
         prefix, h, keys, clock = self.prefix, self.hasher.hash_fn, seq.keys, self.clock
         first = seq.num_published
+        if first == seq.awaiting and key_of[seq.chain] is None and ref[seq.chain] > 1:
+            # NOTE: under blocks another sequence is still computing (core/inflight.py): wait
+            # for it to publish them (it publishes ours then), or stay private if it never does.
+            return []
         for i in range(len(keys), ready):
             keys.append(h((keys[-1] if i else seq.root) + data[i * nbytes:(i + 1) * nbytes]))
         parent = seq.chain if first else NO_BLOCK
@@ -702,7 +742,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
             # NOTE: distinct too: a hash that collides within the run must meet the scalar
             # path's collision handling, not overwrite its own first block's entry.
             if not any(get(k) is not None for k in run) and len(set(run)) == len(run):
-                return self._publish_chain(seq, first, ready, parent)
+                fresh = self._publish_chain(seq, first, ready, parent)
+                if seq.registered or seq.waiters:
+                    fresh += self._published_inflight(seq, first, ready)
+                return fresh
         fresh: list[int] = []
         rows: list[int] = []            # published blocks, and their positions: token ids
         at: list[int] = []              # are stored in one vectorised copy at the end
@@ -748,6 +791,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
             t.tokens[np.asarray(rows, dtype=np.intp)] = \
                 tokens[:ready * bs].reshape(ready, bs)[np.asarray(at, dtype=np.intp)]
         seq.num_published = ready
+        if seq.registered or seq.waiters:
+            fresh += self._published_inflight(seq, first, ready)
         return fresh
 
     def _met_published(self, seq: Sequence, i: int, b: int, existing: int,
@@ -764,12 +809,12 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps):
             self.counters.collisions += 1
         seq.chain = BROKEN
         if (same and existing not in self.pending and self._slots[GPU][existing] != NO_SLOT
-                and not seq.readers):
+                and not seq.readers and self._ref[b] == 1):
             # NOTE: an equal block another sequence published first, readable on the device:
             # use it instead of ours (pinned like any block of ours) and free ours, so the
             # rest of the chain publishes under it. Otherwise the rest stays private: a parent
             # we do not pin could vanish under us. Not while an attention call reads this
-            # sequence: it may read our slot.
+            # sequence (it may read our slot), nor while another sequence shares our block.
             self._pin(existing)
             seq.blocks[i] = existing
             self._unpin(b)

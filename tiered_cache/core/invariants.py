@@ -62,6 +62,15 @@ def check_invariants(target) -> None:
         for b in idx.pending:
             if b not in live_set or t.in_flight[b] == 0:
                 _fail(f"pending promotion of block {b}, which is not in flight")
+        # 6. blocks being computed (core/inflight.py): an open writer's own unpublished block
+        for key, (b, writer, depth) in idx._inflight.items():
+            if writer.closed or writer.id not in {q.id for q in idx.open_sequences()}:
+                _fail(f"in-flight block {b} registered by closed sequence {writer.id}")
+            if depth >= len(writer.blocks) or writer.blocks[depth] != b or t.key[b] is not None:
+                _fail(f"in-flight block {b} is not sequence {writer.id}'s unpublished block "
+                      f"{depth}")
+            if key in idx.prefix:
+                _fail(f"in-flight block {b}'s key is also published")
         # 1. every slot free xor held by exactly one block (or reserved)
         for tier in idx.tiers:
             i = tier.index

@@ -26,7 +26,7 @@ from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.core.transfer import RecordMeta, Transfer
 
-DEVICE, HOST = 0, 1
+DEVICE = 0
 
 
 class KeyedOps:
@@ -64,20 +64,22 @@ class KeyedOps:
             n = 0
             for key in keys:
                 i = m + n
-                if i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None:
-                    break
+                if (i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None
+                        or self._ref[seq.blocks[i]] != 1):
+                    break               # (ref > 1: another sequence waits on us computing it)
                 n += 1
             keyed = self.keyed[tier]
             staged = keyed.staged
             if slots is not None:
                 n = min(n, len(slots))
-            if not n or (staged and (len(self.tiers) < 2 or self.room(HOST) < n)):
+            host = self.stage_tier
+            if not n or (staged and (host is None or self.room(host) < n)):
                 return 0
             parent = seq.chain if m else NO_BLOCK
-            if parent < 0 and m:
-                return 0                # a block before these could not be published
+            if m and (parent < 0 or t.key[parent] is None):
+                return 0                # a block before these is not published (yet)
             blocks = seq.blocks[m:m + n]
-            stage = self.reserve(HOST, n)[::-1] if staged else []
+            stage = self.reserve(host, n)[::-1] if staged else []
             readiness = LayerReadiness(self.num_layers, n)
             readiness.zero_copy = False
             root = self.root_keys[seq.root_id]
@@ -100,13 +102,16 @@ class KeyedOps:
                     self._kids[DEVICE][parent] += 1
                     if self._cand[parent]:
                         self._refresh(parent)
-                seq.keys.append(key)
+                if i < len(seq.keys):
+                    seq.keys[i] = key   # (computed at open: core/inflight.py)
+                else:
+                    seq.keys.append(key)
                 meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
                                   i, t.token_bytes(b), 0)
                 if staged:
                     h = stage.pop()
-                    plan.append(Transfer(b, keyed.index, NO_SLOT, HOST, h, meta=meta))
-                    plan.append(Transfer(b, HOST, h, DEVICE, dev[b]))
+                    plan.append(Transfer(b, keyed.index, NO_SLOT, host, h, meta=meta))
+                    plan.append(Transfer(b, host, h, DEVICE, dev[b]))
                 else:
                     plan.append(Transfer(b, keyed.index, slots[j], DEVICE, dev[b], meta=meta,
                                          ticket=ticket))
@@ -131,6 +136,8 @@ class KeyedOps:
             keyed.hit_tokens += n * bs
             keyed.loads += n
             self.counters.hit_tokens += n * bs
+            if seq.registered:
+                self._published_inflight(seq, m, m + n)
             return n
 
     def note_skipped(self, tier: int) -> None:
@@ -145,7 +152,7 @@ class KeyedOps:
         with atomic(), self.lock:
             keyed = self.keyed[tier]
             src = keyed.put_from
-            if src >= len(self.tiers):
+            if src is None:                     # a read-only keyed tier
                 return []
             t = self.blocks
             bit = 1 << keyed.position

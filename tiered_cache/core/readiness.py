@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from tiered_cache.errors import PromotionTimeout, TransferError
+from tiered_cache.errors import PrefixAbortedError, PromotionTimeout, TransferError
 
 
 class LayerReadiness:
@@ -27,6 +27,7 @@ class LayerReadiness:
         self._cond = threading.Condition()
         self.created = time.perf_counter()
         self.zero_copy = True       # False: a block is staged from disk; readers must wait
+        self.inflight = False       # True: waits on another sequence computing the blocks
 
     @property
     def ready_layers(self) -> int:
@@ -58,8 +59,10 @@ class LayerReadiness:
 
         NOTE: a failed promotion raises for every layer, those that landed before the failure
         too: the commit of a failed promotion releases its device slots, so no layer of it
-        can be read."""
-        if self._ready > layer and self._error is None:
+        can be read. Blocks shared in flight (`inflight`) are the exception: the waiter pins
+        them and their writer only ever wrote forward, so the layers it finished stay readable
+        after it gave up."""
+        if self._ready > layer and (self._error is None or self.inflight):
             return self._events[layer]
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
@@ -71,6 +74,8 @@ class LayerReadiness:
                         f"within {timeout:.3f} s ({self._ready} of {self.num_layers} layers "
                         "ready); raise migrator.wait_timeout_s or check the migrator")
                 self._cond.wait(left)
-        if self._error is not None:
+        if self._error is not None and not (self.inflight and self._ready > layer):
+            if isinstance(self._error, PrefixAbortedError):
+                raise PrefixAbortedError(str(self._error)) from self._error
             raise TransferError(f"promotion failed: {self._error}") from self._error
         return self._events[layer]

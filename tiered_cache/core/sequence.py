@@ -51,6 +51,11 @@ class Sequence:
         self.closed = False
         self.collided = False                   # open() met a key whose block differed
         self.reserve_last = False               # open(reserve_last=True): last token uncached
+        # In-flight sharing (core/inflight.py):
+        self.registered: list[bytes] = []       # keys of own blocks others may take
+        self.waiters: list = []                 # inflight.Waiter of sequences taking them
+        self.awaiting = -1                      # first own block, after blocks taken
+        self.write_events: dict[int, object] = {}   # layer -> device event of its last write
 
     @property
     def block_ids(self) -> tuple[int, ...]:

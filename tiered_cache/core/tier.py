@@ -33,10 +33,10 @@ class TierSpec:
     """(Keyed tiers.) A load lands in a host staging slot first (a record fetched over the
     network is verified there); False: straight into the device slot (the node daemon's
     shared pool is host memory the device copies from)."""
-    put_from: int = 1
+    put_from: int | None = 1
     """(Keyed tiers.) The slot tier whose copies are put: the host tier (a store is written
     from host memory), or the device tier (the daemon's pool is written as blocks are
-    computed, so that other engine processes find them at once)."""
+    computed, so that other engine processes find them at once); None: read only."""
 
 
 @dataclass(eq=False)
@@ -94,7 +94,7 @@ class KeyedState:
     index: int
     position: int                   # k: the bit of BlockTable.stored that says "put here"
     staged: bool = True             # see TierSpec
-    put_from: int = 1               # see TierSpec
+    put_from: int | None = 1        # see TierSpec
     hit_tokens: int = 0
     loads: int = 0                  # blocks loaded from it
     load_failures: int = 0          # blocks it was asked for that it could not return

@@ -1,0 +1,193 @@
+"""In-flight prefix sharing: `open()` attaches to blocks another open sequence is computing.
+
+K requests that arrive together with the same new prefix would otherwise each compute and hold
+their own copy of it. Instead, the full blocks of a prompt that `open` gives a sequence (its
+*writer*) are registered by key while it computes them; a later `open` whose walk over the
+published index stops where such a block continues its chain takes it, as vLLM v1 takes a block
+whose hash it registered at allocation. The taker (a *waiter*):
+
+- pins the blocks (`ref_count`), counts their tokens in `num_cached_tokens` (and in the device
+  tier's hits and `counters.inflight_hit_tokens`), and gets slots only for the rest;
+- gets a `LayerReadiness` per writer in `seq.pending` (not zero-copy: attention waits for it):
+  layer l is ready once the writer has written layer l up to the last block taken. Writes only
+  move forward, so a ready layer's KV is final, whatever the writer does next;
+- never publishes those blocks: the writer does, once they are full in every layer. The waiter's
+  own blocks after them wait (`seq.awaiting`) and publish under them when the writer has.
+
+If the writer closes before it has written every layer of the blocks taken, the waiters'
+readiness fails with PrefixAbortedError (a TransferError): wait/attention/gather of the missing
+layers raise it, telling the engine to compute those tokens itself (close the sequence and open
+it again: it then computes them, or takes them from whoever does). Layers that were ready stay
+readable. The blocks are freed when the last waiter closes; nothing is ever published from them.
+
+Verification is the published path's: the chained key, the parent (the block matched before),
+the depth, the root (tenant/namespace/adapter) and the token ids, compared with the writer's.
+
+NOTE: registration costs no extra hashing: the writer's keys are computed at open instead of at
+publish (`seq.keys` runs ahead of `num_published`). One dict entry per registered block, removed
+when it is published or its writer closes.
+"""
+
+from __future__ import annotations
+
+from tiered_cache.core.blocks import NO_BLOCK
+from tiered_cache.core.readiness import LayerReadiness
+from tiered_cache.core.sequence import Sequence
+from tiered_cache.errors import PrefixAbortedError
+
+
+class Waiter:
+    """A waiter's hold on a writer: ready once `writer.written[l] >= needed` for each layer l."""
+
+    __slots__ = ("seq", "needed", "readiness")
+
+    def __init__(self, seq: Sequence, needed: int, readiness: LayerReadiness) -> None:
+        self.seq = seq
+        self.needed = needed
+        self.readiness = readiness
+
+
+class InFlight:
+    """Mixin of BlockIndex (lock held by the callers of every method)."""
+
+    def _init_inflight(self) -> None:
+        # key -> (block, writer, depth): full blocks open sequences are computing.
+        self._inflight: dict[bytes, tuple[int, Sequence, int]] = {}
+
+    def _match_inflight(self, seq: Sequence, matched: list[int]) -> list[int]:
+        """The blocks being computed that continue `matched` (the published match) for `seq`."""
+        inflight = self._inflight
+        if not inflight:
+            return []
+        bs = self.block_size
+        nbytes = bs * 4
+        tokens = seq.token_ids
+        data = tokens.tobytes()
+        h = self.hasher.hash_fn
+        key = seq.keys[-1] if matched else seq.root
+        prev = matched[-1] if matched else NO_BLOCK
+        shared: list[int] = []
+        for i in range(len(matched), len(tokens) // bs):
+            key = h(key + data[i * nbytes:(i + 1) * nbytes])
+            entry = inflight.get(key)
+            if entry is None:
+                break
+            b, writer, depth = entry
+            wb = writer.blocks
+            if (depth != i or writer.closed or writer.root_id != seq.root_id
+                    or wb[depth] != b or (depth and wb[depth - 1] != prev)
+                    or writer.token_ids[i * bs:(i + 1) * bs].tobytes()
+                    != data[i * nbytes:(i + 1) * nbytes]):
+                seq.collided = True
+                break
+            seq.keys.append(key)
+            shared.append(b)
+            prev = b
+        return shared
+
+    def _take(self, seq: Sequence, shared: list[int], first: int) -> int:
+        """Pin `shared` (blocks [first, first + len) of `seq`, being computed by others) for
+        `seq` and wait on their writers. Returns their token count. Cannot fail."""
+        if not shared:
+            return 0
+        writers: dict[int, tuple[Sequence, int, int]] = {}     # id -> (writer, last, count)
+        inflight = self._inflight
+        for i, b in enumerate(shared, first):
+            self._pin(b)
+            _, writer, _ = inflight[seq.keys[i]]
+            _, _, n = writers.get(writer.id, (writer, 0, 0))
+            writers[writer.id] = (writer, i, n + 1)
+        for writer, last, n in writers.values():
+            r = LayerReadiness(self.num_layers, n)
+            r.zero_copy = False                 # no copy to read in place: wait for the writer
+            r.inflight = True
+            w = Waiter(seq, (last + 1) * self.block_size, r)
+            writer.waiters.append(w)
+            _advance(writer, w)
+            seq.pending.append(r)
+        seq.awaiting = first + len(shared)
+        tokens = len(shared) * self.block_size
+        self.counters.inflight_hit_tokens += tokens
+        return tokens
+
+    def _register(self, seq: Sequence) -> None:
+        """Register the sequence's own full blocks (after `num_published`) as being computed,
+        computing their keys now (publishing would)."""
+        bs = self.block_size
+        nbytes = bs * 4
+        full = seq.num_tokens // bs
+        keys = seq.keys
+        if len(keys) >= full:
+            return
+        data = seq.token_ids.tobytes()
+        h, prefix, inflight = self.hasher.hash_fn, self.prefix, self._inflight
+        key = keys[-1] if keys else seq.root
+        blocks, mine = seq.blocks, seq.registered
+        for i in range(len(keys), full):
+            key = h(key + data[i * nbytes:(i + 1) * nbytes])
+            keys.append(key)
+            if key not in prefix and key not in inflight:
+                inflight[key] = (blocks[i], seq, i)
+                mine.append(key)
+
+    def _progress(self, writer: Sequence) -> None:
+        """The writer wrote: advance its waiters' readiness."""
+        if not writer.waiters:
+            return
+        for w in writer.waiters:
+            _advance(writer, w)
+
+    def _published_inflight(self, writer: Sequence, first: int, ready: int) -> list[int]:
+        """Blocks [first, ready) of the writer were published (or tried): unregister them, and
+        publish what waiters kept back under them. Returns the waiters' fresh blocks."""
+        if writer.registered:
+            inflight = self._inflight
+            for key in writer.keys[first:ready]:
+                entry = inflight.get(key)
+                if entry is not None and entry[1] is writer:
+                    del inflight[key]
+        fresh: list[int] = []
+        waiters = writer.waiters
+        if not waiters:
+            return fresh
+        for w in waiters:
+            if not w.seq.closed and w.seq.awaiting == w.seq.num_published:
+                fresh += self._publish_ready(w.seq)
+        # A waiter is done with its writer once the blocks it took are published.
+        bs = self.block_size
+        writer.waiters = [w for w in waiters if not w.seq.closed
+                          and writer.num_published * bs < w.needed]
+        return fresh
+
+    def _close_inflight(self, writer: Sequence) -> None:
+        """The writer closes: unregister what it did not publish; fail the waiters whose
+        blocks it did not write in every layer."""
+        inflight = self._inflight
+        for key in writer.registered:
+            entry = inflight.get(key)
+            if entry is not None and entry[1] is writer:
+                del inflight[key]
+        writer.registered = []
+        for w in writer.waiters:
+            if not w.readiness.done:
+                self.counters.inflight_aborts += 1
+                w.readiness.fail(PrefixAbortedError(
+                    f"sequence {writer.id}, which was computing {w.readiness.blocks} block(s) "
+                    f"that sequence {w.seq.id} shares, closed before writing them in every "
+                    f"layer (layers ready: {w.readiness.ready_layers}); compute those tokens "
+                    "yourself: close the sequence and open it again"))
+        writer.waiters = []
+
+    def shared_with(self, seq: Sequence) -> bool:
+        """Whether another open sequence holds one of `seq`'s blocks it has not published."""
+        ref = self._ref
+        return any(ref[b] > 1 for b in seq.blocks[seq.num_published:])
+
+
+def _advance(writer: Sequence, w: Waiter) -> None:
+    r, written, needed = w.readiness, writer.written, w.needed
+    # NOTE: layers become ready in order (LayerReadiness), each once the writer covered it,
+    # with the device event of the writer's last copy into that layer (None on CPU).
+    while r.ready_layers < len(written) and written[r.ready_layers] >= needed:
+        layer = r.ready_layers
+        r.layer_done(layer, writer.write_events.get(layer))
