@@ -88,3 +88,29 @@ def test_common_helpers(tmp_path, capsys):
     assert "T" in capsys.readouterr().out and text.splitlines()[1].split() == ["a", "b", "c"]
     path = common.write_json(tmp_path / "deep" / "r.json", {"x": 1.0})
     assert json.loads(path.read_text()) == {"x": 1.0}
+
+
+def test_policy_eval_quick(tmp_path):
+    data, stdout = run_bench("policy_eval", tmp_path)
+    assert "ratio of token hit rate to LRU's" in stdout and "replay speed" in stdout
+    assert data["benchmark"] == "policy_eval" and data["quick"] is True
+    assert not set(data["tuning_seeds"]) & set(data["reporting_seeds"])
+    assert set(data["seeds"]) <= set(data["reporting_seeds"])
+    # both splits in the same run, each against LRU, judged on the held-out one
+    assert data["judged_on"] == "held_out" and set(data["splits"]) == {"tuning", "held_out"}
+    assert set(data["splits"]["tuning"]["seeds"]) <= set(data["tuning_seeds"])
+    assert data["splits"]["held_out"]["summary"] == data["summary"]
+    assert stdout.count("ratio of token hit rate to LRU's") == 2
+    for c in data["cells"]:
+        assert c["split"] == ("tuning" if c["seed"] in data["tuning_seeds"] else "held_out")
+    assert "adaptive" in data["summary"] and "lru" in data["summary"]
+    for name, s in data["summary"].items():
+        assert s["cells"] > 0 and _positive(s["geomean"]) and _positive(s["worst"]), name
+        assert s["worst"] <= s["geomean"] <= s["best"]
+    assert data["summary"]["lru"]["worst"] == data["summary"]["lru"]["geomean"] == 1.0
+    assert {"code", "chat", "rag", "agent"} <= {c["source"] for c in data["cells"]}
+    assert set(data["meets"]) == {"worst", "geomean", "vs_best_single", "speed"}
+    assert all(isinstance(v, bool) for v in data["meets"].values())
+    assert data["best_single"] not in ("adaptive", "belady")
+    for r in data["speed"]:
+        assert _positive(r["block_ops_per_s"]) and _positive(r["x_lru"])

@@ -47,7 +47,7 @@ def test_default_config():
     assert cfg.tiers.gpu.num_blocks == 256 and cfg.tiers.gpu.capacity is None
     assert cfg.tiers.host.num_blocks == 1024 and cfg.tiers.host.memory == "pinned"
     assert (cfg.policy, cfg.write_policy, cfg.verify_tokens, cfg.storage) == (
-        "lru", "write_back", True, "tensors")
+        "adaptive", "write_back", True, "tensors")
     assert cfg.metrics.http_port is None and cfg.metrics.http_addr == "127.0.0.1"
     assert cfg.bytes_per_token == 4 * 2 * 2 * 64 * 4
     assert cfg.block_bytes == cfg.bytes_per_token * 16

@@ -101,7 +101,7 @@ def content(i: int) -> bytes:
 
 def test_registry_names_all_policies():
     assert set(POLICIES) == {"lru", "lfu", "cost_aware", "s3fifo", "arc", "belady",
-                             "reuse_credit", "class_credit", "hit_density"}
+                             "reuse_credit", "class_credit", "hit_density", "adaptive"}
     for name, cls in POLICIES.items():
         assert resolve(name) is cls
         assert cls.name == name

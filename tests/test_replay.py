@@ -131,7 +131,7 @@ def test_cli_json(capsys, tiny_path):
             "demotions", "bytes_moved", "prefill_seconds_saved", "block_ops_per_s",
             "cost_model"} <= set(data)
     assert data["requests"] == 3 and data["token_hit_rate"] == pytest.approx(5 / 9)
-    assert data["policy"] == "class_credit"
+    assert data["policy"] == "adaptive"
 
 
 def test_cli_text_two_tiers_and_belady(capsys, tiny_path):

@@ -115,6 +115,60 @@ def test_agent_structure(traces):
     assert max(r["input_length"] for r in recs) <= 131_072 + 600 + 32768
 
 
+def test_code_structure(traces):
+    recs = traces["code"]
+    assert 0.4 < reuse(recs) < 0.95           # repository context is resent every request
+    firsts = [r["hash_ids"][0] for r in recs]
+    assert len(set(firsts)) <= 3              # three system prompts open every prompt
+    # Requests of one session share a prefix and then diverge where an edit changed a file:
+    # some consecutive pair of requests with the same second block (repository map) shares a
+    # long prefix and then differs before the end.
+    by_map: dict[int, list[list[int]]] = {}
+    for r in recs:
+        if len(r["hash_ids"]) > 1:
+            by_map.setdefault(r["hash_ids"][1], []).append(r["hash_ids"])
+
+    def common(a, b):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        return k
+
+    cut = [common(a, b) for chains in by_map.values() for a, b in zip(chains, chains[1:])]
+    assert any(2 < k < len(chains[0]) - 1 for chains in by_map.values()
+               for k in cut)
+    assert len(by_map) > 5                    # many repositories, Zipf-popular
+    assert max(r["input_length"] for r in recs) <= 131_072
+
+
+def test_code_edits_invalidate_the_rest_of_the_prompt():
+    """An edited file is new content: its blocks, and every block after it, change; the
+    blocks before it stay those of the earlier request."""
+    recs = workloads.code(400, seed=2, block_size=16, edit_prob=1.0, open_prob=0.0,
+                          sessions_per_s=0.01, mean_requests=50.0)
+    a, b = recs[0]["hash_ids"], recs[1]["hash_ids"]
+    k = 0
+    while a[k] == b[k]:
+        k += 1
+    assert 0 < k < len(a) - 1                 # same system prompt and map, then diverges
+    assert not set(a[k:]) & set(b[k:])        # nothing after the edit is shared
+
+
+@pytest.mark.parametrize("name,digest", [
+    ("chat", "bd40bfe6ceb4ffcfe242001b"),
+    ("rag", "c0c1f0777a69520229cff0f7"),
+    ("agent", "8f59a33a60a60778aec76f61"),
+])
+def test_existing_families_are_unchanged_byte_for_byte(name, digest):
+    """The three families generate the same bytes as before the `code` family was added
+    (digests of their output at commit a44011e): traces, results and docs built on them stay
+    comparable."""
+    import hashlib
+
+    got = hashlib.sha256(json.dumps(generate(name, 300, seed=5, block_size=64)).encode())
+    assert got.hexdigest()[:24] == digest
+
+
 def test_generate_rejects_bad_arguments():
     with pytest.raises(ValueError, match="unknown workload"):
         generate("video", 10)

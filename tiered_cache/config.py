@@ -787,8 +787,10 @@ class CacheConfig(_Section):
     block_size: int | str = 16
     """Tokens per block: a power of two in 1..4096, or "auto" (resolved here to an int)."""
     tiers: TiersConfig = field(default_factory=TiersConfig)
-    policy: str = "lru"
-    """Eviction policy: a registered name (tiered_cache.policies.POLICIES) or 'pkg.module:Class'."""
+    policy: str = "adaptive"
+    """Eviction policy: a registered name (tiered_cache.policies.POLICIES) or 'pkg.module:Class'.
+    The default, `adaptive`, follows per tier whichever of LRU and two credit orders its
+    sampled simulations say fits the stream (docs/replay.md)."""
     write_policy: str = "write_back"
     verify_tokens: bool = True
     allow_non_finite_kv: bool = False
@@ -1084,7 +1086,7 @@ tiers:
     max_num_blocks: null
     segment_blocks: null
 
-policy: lru               # eviction policy: a registered name or "pkg.module:Class"
+policy: adaptive          # eviction policy: a registered name or "pkg.module:Class"
 write_policy: write_back  # write_back: copy to host on eviction | write_through: as soon as full
 verify_tokens: true       # compare stored token ids on a hash match
 allow_non_finite_kv: false  # store KV with NaN/inf (off: write() refuses it; costs a pass)

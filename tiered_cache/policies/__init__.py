@@ -7,6 +7,7 @@ import inspect
 import keyword
 
 from tiered_cache.errors import ConfigError
+from tiered_cache.policies.adaptive import AdaptivePolicy
 from tiered_cache.policies.arc import ARCPolicy
 from tiered_cache.policies.base import CachePolicy, PriorityPolicy
 from tiered_cache.policies.belady import BeladyPolicy
@@ -29,6 +30,7 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "reuse_credit": ReuseCreditPolicy,
     "class_credit": ClassCreditPolicy,
     "hit_density": HitDensityPolicy,
+    "adaptive": AdaptivePolicy,
 }
 
 
@@ -108,4 +110,4 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
 
 __all__ = ["CachePolicy", "PriorityPolicy", "POLICIES", "resolve", "LRUPolicy", "LFUPolicy",
            "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy", "BeladyPolicy",
-           "ReuseCreditPolicy", "ClassCreditPolicy", "HitDensityPolicy"]
+           "ReuseCreditPolicy", "ClassCreditPolicy", "HitDensityPolicy", "AdaptivePolicy"]

@@ -1,6 +1,6 @@
 """Seeded synthetic request streams in the Mooncake/Alibaba trace shape.
 
-Three workloads, each a list of requests `{"timestamp", "input_length", "output_length",
+Four workloads, each a list of requests `{"timestamp", "input_length", "output_length",
 "hash_ids"}` sorted by arrival (timestamps in milliseconds, as in the Mooncake traces):
 
 - `chat`: multi-turn conversations. Each conversation opens with a system prompt drawn from a
@@ -11,6 +11,10 @@ Three workloads, each a list of requests `{"timestamp", "input_length", "output_
 - `agent`: tool-using agent loops. An agent type (Zipf-popular) fixes a long system prompt with
   tool definitions; a session adds a task, then every step resends the context grown by the last
   action and the tool's observation, seconds apart.
+- `code`: a coding assistant in an editor. A prompt is a system prompt, the repository's map
+  (Zipf-popular repositories) and the files the developer has open, the most recently edited
+  last, then a new instruction; between requests the developer edits a file (its content, and
+  every block after it in the prompt, change) or opens another one.
 
 Prompts are built from *segments* (a system prompt, a document, a message) whose content is
 identified by a key; a block's id is a function of its parent's id and the pieces of segments it
@@ -245,6 +249,82 @@ def agent(requests: int = 4000, *, seed: int = 0, block_size: int = 512,
     return _finish(events, BlockIds(block_size), requests)
 
 
+def code(requests: int = 4000, *, seed: int = 0, block_size: int = 512,
+         num_repos: int = 50, zipf_a: float = 1.1, files_per_repo: int = 300,
+         mean_file_tokens: float = 1500.0, mean_open_files: float = 5.0,
+         mean_requests: float = 20.0, think_time_s: float = 30.0, edit_prob: float = 0.6,
+         open_prob: float = 0.15, sessions_per_s: float = 0.5,
+         max_context_tokens: int = 131_072) -> list[Request]:
+    """A coding assistant: repository context shared across developers, invalidated mid-prompt
+    by edits.
+
+    - 3 system prompts (1,000 to 4,000 tokens, Zipf 1.0 over them: completion, chat, edit).
+    - `num_repos` repositories (Zipf `zipf_a`), each with a map of 500 to 16,000 tokens
+      (lognormal, mean 3,000: the file tree and symbols an assistant sends first) and
+      `files_per_repo` files of 100 to 16,000 tokens (lognormal, mean `mean_file_tokens`;
+      Zipf 1.0 popularity within the repository).
+    - Sessions start as a Poisson process (`sessions_per_s`): one developer, one system prompt,
+      one repository, geometric(mean `mean_open_files` - 1, at least 1; at most 20) distinct
+      open files in the order they were opened; geometric(mean `mean_requests`) requests (at most
+      200), each the system prompt, the map, the open files and a 30 to 1,500-token
+      instruction (answers 20 to 2,000 tokens).
+    - Between requests (the answer's decode time at 50 tokens/s plus a think time of 2 s to
+      30 minutes, lognormal with mean `think_time_s`): with probability `edit_prob` the
+      developer edits an open file (the last one, the file being worked on, two times in
+      three; another one otherwise), which gives it new content and moves it to the end, and
+      with probability `open_prob` opens another file (appended). Unedited files are the
+      repository's shared versions, so sessions that open the same files in the same order
+      share their blocks; an edited file is the session's own. A session ends early when its
+      prompt would pass `max_context_tokens`.
+    """
+    _check(requests, block_size)
+    rng = np.random.default_rng(seed)
+    sys_len = [_lognormal(rng, 2000, 0.5, 1000, 4000) for _ in range(3)]
+    sys_p = zipf_weights(3, 1.0)
+    repo_p = zipf_weights(num_repos, zipf_a)
+    map_len = [_lognormal(rng, 3000, 0.9, 500, 16000) for _ in range(num_repos)]
+    file_len = [[_lognormal(rng, mean_file_tokens, 1.0, 100, 16000)
+                 for _ in range(files_per_repo)] for _ in range(num_repos)]
+    file_p = zipf_weights(files_per_repo, 1.0)
+    events: list[tuple[float, int, list[Segment], int]] = []
+    t = 0.0
+    session = 0
+    while _more(events, requests, t):
+        t += rng.exponential(1.0 / sessions_per_s)
+        s = int(rng.choice(3, p=sys_p))
+        repo = int(rng.choice(num_repos, p=repo_p))
+        k = min(20, int(rng.geometric(1.0 / max(1.0, mean_open_files - 1.0))))
+        # open files: [file index, version, length]; version 0 is the repository's own copy
+        files = [[f, 0, file_len[repo][f]] for f in _distinct(rng, file_p, min(k, files_per_repo))]
+        n = min(200, int(rng.geometric(1.0 / mean_requests)))
+        when = t
+        for i in range(n):
+            segments: list[Segment] = [(("sys", s), sys_len[s]),
+                                       (("map", repo), map_len[repo])]
+            for f, v, length in files:
+                key = ("file", repo, f) if v == 0 else ("file", repo, f, session, v)
+                segments.append((key, length))
+            segments.append((("ask", session, i), _lognormal(rng, 300, 0.9, 30, 1500)))
+            if sum(length for _, length in segments) > max_context_tokens:
+                break
+            answer = _lognormal(rng, 400, 1.0, 20, 2000)
+            events.append((when, len(events), segments, answer))
+            if rng.random() < edit_prob:
+                j = len(files) - 1 if rng.random() < 2 / 3 else int(rng.integers(len(files)))
+                f, v, length = files.pop(j)
+                grown = max(100, length + int(rng.normal(0, 0.05 * length + 20)))
+                files.append([f, v + 1, grown])
+            if rng.random() < open_prob and len(files) < files_per_repo:
+                have = {f for f, _, _ in files}
+                for f in _distinct(rng, file_p, min(files_per_repo, len(have) + 1)):
+                    if f not in have:
+                        files.append([f, 0, file_len[repo][f]])
+                        break
+            when += answer / 50.0 + _lognormal_s(rng, think_time_s, 1.3, 2.0, 1800.0)
+        session += 1
+    return _finish(events, BlockIds(block_size), requests)
+
+
 def _lognormal_s(rng: np.random.Generator, mean: float, sigma: float, lo: float,
                  hi: float) -> float:
     mu = np.log(mean) - sigma * sigma / 2
@@ -275,12 +355,13 @@ def _more(events: list, requests: int, t: float) -> bool:
     return t < heapq.nsmallest(requests, (e[0] for e in events))[-1]
 
 
-WORKLOADS: dict[str, Callable[..., list[Request]]] = {"chat": chat, "rag": rag, "agent": agent}
+WORKLOADS: dict[str, Callable[..., list[Request]]] = {"chat": chat, "rag": rag, "agent": agent,
+                                                     "code": code}
 
 
 def generate(name: str, requests: int = 4000, *, seed: int = 0, block_size: int = 512,
              **params: Any) -> list[Request]:
-    """The `name` workload (`chat`, `rag` or `agent`)."""
+    """The `name` workload (`chat`, `rag`, `agent` or `code`)."""
     try:
         fn = WORKLOADS[name]
     except KeyError:

@@ -26,6 +26,7 @@ from tiered_cache.tools.replay.driver import (
 )
 from tiered_cache.tools.replay.report import format_report, plot_sweep, sweep_table
 from tiered_cache.tools.replay.trace import load_trace
+from tiered_cache.tools.workloads import WORKLOADS
 
 DESCRIPTION = """\
 Replay a Mooncake-shaped JSONL trace (timestamp, input_length, output_length, hash_ids), or a
@@ -36,7 +37,7 @@ table, JSON and a PNG (hit rates, and their ratio to LRU's). See docs/replay.md.
 examples:
   tiered-cache replay trace.jsonl --gpu-blocks 1000 --host-blocks 3000
   tiered-cache replay --workload chat --requests 2000 --gpu-blocks 500 --json
-  tiered-cache replay trace.jsonl --sweep --policies lru,class_credit,belady"""
+  tiered-cache replay trace.jsonl --sweep --policies lru,class_credit,adaptive,belady"""
 
 FLAGS = {
     "block_size": "--block-size", "tiers.gpu.num_blocks": "--gpu-blocks",
@@ -55,7 +56,7 @@ FLAGS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", help="JSONL trace file (or use --workload)")
     src = parser.add_argument_group("generated workload instead of a file")
-    src.add_argument("--workload", choices=("chat", "rag", "agent"),
+    src.add_argument("--workload", choices=tuple(WORKLOADS),
                      help="replay a seeded synthetic workload (tiered_cache.tools.workloads)")
     src.add_argument("--requests", type=command.non_negative_int, default=None,
                      help="requests to generate (default: 4000) or to read from TRACE "

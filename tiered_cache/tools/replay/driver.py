@@ -41,12 +41,13 @@ if TYPE_CHECKING:
     from tiered_cache.config import CacheConfig
     from tiered_cache.policies.belady import NextUseOracle
 
-DEFAULT_POLICY = "class_credit"
-"""The policy `replay` uses unless told otherwise (tiered_cache.policies.class_credit)."""
+DEFAULT_POLICY = "adaptive"
+"""The policy `replay` uses unless told otherwise (tiered_cache.policies.adaptive), the cache's
+own default too."""
 
 DEFAULT_CAPACITIES = (500, 1000, 2000, 3000, 5000, 10000, 20000)
-DEFAULT_SWEEP_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost_aware", DEFAULT_POLICY,
-                          "hit_density", "belady")
+DEFAULT_SWEEP_POLICIES = ("lru", "lfu", "arc", "s3fifo", "cost_aware", "class_credit",
+                          "hit_density", DEFAULT_POLICY, "belady")
 BASELINE_POLICY = "lru"
 """The policy every sweep row is divided by (`vs_lru`)."""
 

@@ -1,0 +1,360 @@
+"""Adaptive: the tier follows whichever eviction order its own miniature simulations say fits now.
+
+No single order wins everywhere: frequency wins on Zipf document pools and at small
+capacities, a little credit for per-content reuse on conversations whose turns come back after
+several cache lifetimes, and plain recency where either would keep the wrong blocks
+(docs/replay.md has the numbers). So each tier runs, beside its live candidates, a *duel*
+(`duel.Duel`): mini caches of every candidate order (`shadow.EXPERTS`: LRU, `reuse`, `freq`)
+over a fixed 1/R sample of the content keys, leaves first on the sampled prefix tree. The live
+tier ranks its candidates by the expert the duel has chosen; the choice starts at LRU and moves
+only when a challenger beats the incumbent by two standard errors of their paired outcomes, so
+LRU is the floor it returns to.
+
+What the live tier keeps, per expert `lifetimes`, `gaps` (`shadow.credit`):
+
+    priority = last use + min(lifetimes * L * log2(uses), gaps * span / (uses - 1))
+               - 2**38 for a dead tail (credit experts only) - 2**40 for a spare copy
+
+- `uses` and `span` count the content's uses across evictions: a ghost maps the content keys
+  of evicted blocks to (uses, first use), in two generations of 16 entries per slot each (a
+  returning block resumes its count; `reuse_credit` argues the 32-per-slot memory). Entries
+  stay when their content comes back (no per-block copy): a block reads its content's entry
+  whenever it is ranked.
+- L is the tier's measured turnover, as in `reuse_credit`.
+- A dead tail is a request's last block, used once, while the duel measures tails reused less
+  often than other blocks used once (`class_credit`'s rule).
+- A spare copy (the block has a copy in every tier) goes first: dropping it loses no hit.
+
+How the duel hears of uses, within the policy interface. A hit is an `access` (every tier
+holding a copy hears it). A miss is a newly published chain, which the policy sees only when
+its last block becomes a candidate as the request closes (the blocks before it have children):
+that *fresh* insert walks up the chain through the blocks never hit and hands the sampled ones
+to the duel. An insert that follows a victim is its parent becoming a leaf, not a fresh chain
+(`_exposed`); any other insert of a never-hit block stops its walk at the first sampled block
+the duel already heard of at that block's clock (its chain was announced with it).
+
+NOTE: cost per hook, all under the control-plane lock. `insert`, `remove`, `access` and
+`victim` are O(log n) heap work plus O(1) dict work, and in expectation O(R) parent steps to the
+nearest sampled ancestor (a key is sampled with probability 1/R, R <= 8). The walk of a fresh
+chain is O(1) amortised per published block: a block is walked when its request closes, and a
+later walk stops at the first announced sampled block, so a chain evicted leaf by leaf is not
+walked again (O(depth^2) otherwise). The duel does O(experts * log n) work per sampled use,
+plus amortised O(1) shedding of stale heap entries (`shadow.MiniCache.evict`). A switch of
+expert snapshots the candidates (O(n)) and re-keys them 64 per later hook call; switches are
+at most one per `capacity` hook calls (`_follow`), so that too is O(1) amortised.
+
+NOTE: per-block state lives only in `_live` (dropped on `remove`, as for every heap policy);
+the ghost and the duel are keyed by content key, bounded, and never by the recycled id. The
+one id kept across calls, `_exposed`, carries the row's generation. A restart of a persistent
+tier starts the policy empty, as for every policy: `restore` inserts the restored leaves, whose
+use counts come back in `blocks.hits` (from the records), which is where `_uses` reads them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.policies.base import PriorityPolicy
+from tiered_cache.policies.duel import MAX_RATE, MINI_SLOTS, Duel, Z
+from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT, REDUNDANT
+from tiered_cache.policies.shadow import EXPERTS, LAST, TAIL_FIRST, Expert, Turnover, credit
+
+REKEY = 64
+"""Candidates re-keyed per hook call after a switch of expert."""
+
+SPARE = -REDUNDANT / 2
+"""Priorities below this were keyed as spare copies."""
+
+
+class AdaptivePolicy(PriorityPolicy):
+    """The live order of the expert the tier's duel chose; see the module docstring."""
+
+    name = "adaptive"
+    hears_every_access = True           # the duel must hear every sampled hit
+    experts: tuple[Expert, ...] = EXPERTS
+    z: float = Z
+    mini_slots: int = MINI_SLOTS
+    max_rate: int = MAX_RATE
+    pinned: str | None = None
+    """An expert to follow whatever the duel says (evaluation only: the duel still runs)."""
+
+    def __init__(self, capacity_blocks: int, **kw) -> None:
+        super().__init__(capacity_blocks, **kw)
+        self._cap = max(1, capacity_blocks)
+        self.duel = Duel(self._cap, self.experts, self.z, self.mini_slots, self.max_rate)
+        self._choice = 0
+        self._m, self._k = self.experts[0].lifetimes, self.experts[0].gaps
+        # content key -> (uses, first use, publication and hits of the block that filed it)
+        # of blocks evicted here, in two generations (see `_uses`)
+        # NOTE: keyed by the 16-byte key itself (its hash is cached in the bytes object), not
+        # by hash(key): a third faster per eviction, and only a few bytes more per entry.
+        self._ghost: dict[bytes, tuple[int, int, int, int]] = {}
+        self._ghost_old: dict[bytes, tuple[int, int, int, int]] = {}
+        self._ghost_half = GHOST_PER_SLOT * self._cap // 2
+        self._turnover = Turnover(self._cap)
+        self._evictions = 0                 # not yet reported to `_turnover`
+        self._now = 0                       # latest clock seen (a request's close)
+        self._exposed = NO_BLOCK            # parent of the last victim, and its generation
+        self._exposed_gen = -1
+        self._rekey: list[int] = []
+        self._calls = 0                     # access and insert calls (paces switches)
+        self._switched_at = -1              # `_calls` at the last switch (-1: none yet)
+        self._single = len(self.blocks.slots) == 1
+        if self.pinned is not None:
+            self.duel.fixed = [e.name for e in self.experts].index(self.pinned)
+            self.duel.choice = self.duel.fixed
+            self._follow()
+
+    def resize(self, capacity_blocks: int) -> None:
+        # The duel keeps its sample and mini caches: they rank orders, whose ranking moves
+        # slowly with the capacity; the live side re-measures its turnover.
+        super().resize(capacity_blocks)
+        self._cap = max(1, capacity_blocks)
+        self._ghost_half = GHOST_PER_SLOT * self._cap // 2
+        self._turnover.cap = self._cap
+
+    @property
+    def expert(self) -> Expert:
+        """The expert the live tier follows now."""
+        return self.experts[self._choice]
+
+    @property
+    def lifetime(self) -> float:
+        """The tier's turnover time in clock ticks (0 before the first evictions)."""
+        return self._turnover.lifetime
+
+    # -- priority ---------------------------------------------------------------------------
+    def _uses(self, b: int) -> tuple[int, int]:
+        """(uses, first use) of block b's content: its own, plus what the ghost remembers.
+
+        NOTE: an entry filed by block b itself (a copy evicted here that came back: demoted and
+        promoted again, same block, same hit counter) already holds b's hits of then, which
+        its counter still holds: they are replaced, not added. Ids are recycled, so "b itself"
+        is told by its publication clock, never by the id."""
+        t = self.blocks
+        key = t.key[b]
+        hits = t.hits[b]
+        prev = None
+        if key is not None:
+            prev = self._ghost.get(key)
+            if prev is None:
+                prev = self._ghost_old.get(key)
+        if prev is None:
+            return hits + 1, t.inserted_at[b]
+        if prev[2] == t.inserted_at[b]:
+            return prev[0] - prev[3] + hits, prev[1]
+        return prev[0] + hits + 1, prev[1]
+
+    def priority(self, b: int) -> float:
+        """Block b's priority under the current expert (a re-key; `insert` inlines it)."""
+        t = self.blocks
+        p = float(t.last_access[b])
+        if self._m != 0.0:
+            uses, first = self._uses(b)
+            p += credit(self._m, self._k, self._turnover.lifetime, uses, p - first)
+        if not self._single:
+            for tier in t.slots:
+                if tier[b] == NO_SLOT:
+                    return p
+            return p - REDUNDANT
+        return p
+
+    # -- hooks ------------------------------------------------------------------------------
+    def insert(self, b: int) -> None:
+        # NOTE: written out in one function (priority inlined): it runs for every published
+        # block, and replay speed is a target.
+        t = self.blocks
+        last = t.last_access[b]
+        live = self._live
+        hits = t.hits[b]
+        self._calls += 1
+        fresh = hits == 0 and b not in live
+        if fresh and b == self._exposed and t.gen[b] == self._exposed_gen:
+            fresh = False               # the parent of a victim became a leaf
+            self._exposed = NO_BLOCK
+        if fresh:                       # the last block of a request that just closed
+            self._walk(b)
+        m = self._m
+        p = float(last)
+        if m != 0.0:
+            key = t.key[b]
+            prev = None
+            if key is not None:
+                prev = self._ghost.get(key)
+                if prev is None:
+                    prev = self._ghost_old.get(key)
+            if prev is None:                            # self._uses(b), inlined
+                uses, first = hits + 1, t.inserted_at[b]
+            elif prev[2] == t.inserted_at[b]:
+                uses, first = prev[0] - prev[3] + hits, prev[1]
+            else:
+                uses, first = prev[0] + hits + 1, prev[1]
+            if uses > 1:
+                if last > first:
+                    c = m * self._turnover.lifetime * math.log2(uses)
+                    cap = self._k * (last - first) / (uses - 1)
+                    p += c if c < cap else cap
+            elif fresh and self.duel.tails_dead:
+                p -= TAIL_FIRST
+        if not self._single:
+            for tier in t.slots:
+                if tier[b] == NO_SLOT:
+                    break
+            else:
+                p -= REDUNDANT
+        n = next(self._seq)
+        live[b] = n
+        heapq.heappush(self._heap, (p, -t.depth[b], n, b))
+        if self._old or len(self._heap) > 1024:
+            self._maybe_compact()
+        if self._rekey:
+            self._rekey_some()
+
+    def _walk(self, b: int) -> None:
+        """Block b, never hit, closed its request: hand the sampled blocks of its new chain
+        (up to the first block that was hit before) to the duel, root first."""
+        t = self.blocks
+        duel = self.duel
+        mask = duel.mask
+        key, hits, parent, born, depth = t.key, t.hits, t.parent, t.inserted_at, t.depth
+        last = t.last_access[b]
+        if last > self._now:
+            self._now = last
+        tail = b
+        chain = None
+        hist, seen = duel.hist, t.last_access
+        while b != NO_BLOCK and hits[b] == 0:
+            k = key[b]
+            if k is not None and not (k[0] & mask):
+                e = hist.get(k)
+                if e is not None and e[LAST] >= seen[b]:
+                    break               # announced with its chain: so is the rest above it
+                if chain is None:
+                    chain = [b]
+                else:
+                    chain.append(b)
+            b = parent[b]
+        if chain is None:
+            return
+        while b != NO_BLOCK:            # the chain's nearest sampled ancestor
+            k = key[b]
+            if k is not None and not (k[0] & mask):
+                break
+            b = parent[b]
+        duel.publish([(key[x], born[x], depth[x]) for x in reversed(chain)],
+                     key[b] if b != NO_BLOCK else None, chain[0] == tail)
+        if duel.choice != self._choice:
+            self._follow()
+
+    def access(self, b: int) -> None:
+        self._calls += 1
+        t = self.blocks
+        last = t.last_access[b]
+        if last > self._now:
+            self._now = last
+        k = t.key[b]
+        duel = self.duel
+        if k is not None and not (k[0] & duel.mask):
+            e = duel.hist.get(k)
+            if e is not None:
+                ph = e[3]               # its nearest sampled ancestor, found before
+            else:
+                key, parent, mask = t.key, t.parent, duel.mask
+                p = parent[b]
+                while p != NO_BLOCK:
+                    kp = key[p]
+                    if kp is not None and not (kp[0] & mask):
+                        break
+                    p = parent[p]
+                ph = key[p] if p != NO_BLOCK else None
+            duel.hit(k, last, ph, t.depth[b])
+            if duel.choice != self._choice:
+                self._follow()
+        if b in self._live:             # re-key a candidate that was hit
+            PriorityPolicy.insert(self, b)
+
+    def _follow(self) -> None:
+        """The duel switched expert: rank by it, re-keying the candidates a few per call.
+
+        NOTE: at most one switch per `capacity` hook calls (`_calls`): the snapshot of the
+        candidates below is O(candidates) <= O(capacity), so it costs O(1) amortised per call.
+        A switch the duel made sooner waits (the duel's choice is checked again on its next
+        sampled use)."""
+        if self._calls - self._switched_at < self._cap and self._switched_at >= 0:
+            return
+        self._switched_at = self._calls
+        c = self.duel.choice
+        self._choice = c
+        e = self.experts[c]
+        self._m, self._k = e.lifetimes, e.gaps
+        self._rekey = list(self._live)
+
+    def _rekey_some(self) -> None:
+        rk, live = self._rekey, self._live
+        for _ in range(min(REKEY, len(rk))):
+            b = rk.pop()
+            if b in live:
+                PriorityPolicy.insert(self, b)
+
+    def victim(self) -> int:
+        heap, live, pop = self._heap, self._live, heapq.heappop
+        while True:
+            old = self._old
+            if old:
+                if not heap or old[0] < heap[0]:
+                    prio, _, seq, b = pop(old)
+                else:
+                    prio, _, seq, b = pop(heap)
+            elif heap:
+                prio, _, seq, b = pop(heap)
+            else:
+                return -1
+            if live.get(b) != seq:
+                continue
+            del live[b]
+            if prio < SPARE and self.priority(b) > SPARE:
+                PriorityPolicy.insert(self, b)      # keyed as a spare copy, now the only one
+                continue
+            t = self.blocks
+            parent = t.parent[b]
+            self._exposed = parent
+            if parent != NO_BLOCK:
+                self._exposed_gen = t.gen[parent]
+            key = t.key[b]
+            if key is not None:
+                # NOTE: filed under LRU too, which never reads it: when the duel switches to a
+                # credit expert, content that returns must already count its earlier uses
+                # (filing only under credit experts cost rag 4-5% on the tuning seeds).
+                ghost = self._ghost
+                hits, born = t.hits[b], t.inserted_at[b]
+                prev = ghost.get(key)
+                if prev is None:
+                    prev = self._ghost_old.get(key)
+                if prev is None:                        # self._uses(b), inlined
+                    ghost[key] = (hits + 1, born, born, hits)
+                elif prev[2] == born:
+                    ghost[key] = (prev[0] - prev[3] + hits, prev[1], born, hits)
+                else:
+                    ghost[key] = (prev[0] + hits + 1, prev[1], born, hits)
+                if len(ghost) >= self._ghost_half:
+                    self._ghost_old, self._ghost = ghost, {}
+            self._evictions += 1
+            if self._evictions >= self._turnover.batch:
+                self._turnover.evicted(self._now, self._evictions)
+                self._evictions = 0
+            if self._old:
+                self._drain()
+            if self._rekey:
+                self._rekey_some()
+            return b
+
+    def victims(self, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            b = self.victim()
+            if b < 0:
+                break
+            out.append(b)
+        return out
