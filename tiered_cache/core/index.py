@@ -743,7 +743,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             # path's collision handling, not overwrite its own first block's entry.
             if not any(get(k) is not None for k in run) and len(set(run)) == len(run):
                 fresh = self._publish_chain(seq, first, ready, parent)
-                if seq.registered or seq.waiters:
+                if self._inflight or seq.waiters:
                     fresh += self._published_inflight(seq, first, ready)
                 return fresh
         fresh: list[int] = []
@@ -791,7 +791,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             t.tokens[np.asarray(rows, dtype=np.intp)] = \
                 tokens[:ready * bs].reshape(ready, bs)[np.asarray(at, dtype=np.intp)]
         seq.num_published = ready
-        if seq.registered or seq.waiters:
+        if self._inflight or seq.waiters:
             fresh += self._published_inflight(seq, first, ready)
         return fresh
 

@@ -138,13 +138,18 @@ class InFlight:
             _advance(writer, w)
 
     def _published_inflight(self, writer: Sequence, first: int, ready: int) -> list[int]:
-        """Blocks [first, ready) of the writer were published (or tried): unregister them, and
-        publish what waiters kept back under them. Returns the waiters' fresh blocks."""
-        if writer.registered:
-            inflight = self._inflight
+        """Blocks [first, ready) of `writer` were published (or tried): unregister them, and
+        publish what waiters kept back under them. Returns the waiters' fresh blocks.
+
+        NOTE: also a key another sequence registered, once it is published (by this sequence,
+        which computed the same block meanwhile): the index then names the published block,
+        and the registry only ever names blocks nothing else stands for (invariant 6)."""
+        inflight = self._inflight
+        if inflight:
+            prefix = self.prefix
             for key in writer.keys[first:ready]:
                 entry = inflight.get(key)
-                if entry is not None and entry[1] is writer:
+                if entry is not None and (entry[1] is writer or key in prefix):
                     del inflight[key]
         fresh: list[int] = []
         waiters = writer.waiters

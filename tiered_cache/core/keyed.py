@@ -136,7 +136,7 @@ class KeyedOps:
             keyed.hit_tokens += n * bs
             keyed.loads += n
             self.counters.hit_tokens += n * bs
-            if seq.registered:
+            if self._inflight:
                 self._published_inflight(seq, m, m + n)
             return n
 
