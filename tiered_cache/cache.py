@@ -386,9 +386,10 @@ class TieredKVCache:
                     pool = self.pools[GPU]
                     dev = pool.kv.device
                     pool.write_tokens(layer, flat, key.detach().to(dev), value.detach().to(dev))
-                    if seq.waiters and dev.type == "cuda":
-                        # Sequences sharing these blocks (core/inflight.py) read them from
-                        # their own streams: order their reads after this copy.
+                    if idx.share_inflight and dev.type == "cuda":
+                        # Sequences sharing these blocks (core/inflight.py), now or once they
+                        # take them, read them from their own streams: order their reads after
+                        # this copy.
                         import torch
 
                         event = torch.cuda.Event()

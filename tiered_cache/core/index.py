@@ -500,8 +500,9 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if not ok:
             return []
         seq.written[layer] = start + n
-        if seq.waiters:
+        if event is not None:
             seq.write_events[layer] = event
+        if seq.waiters:
             self._progress(seq)
         return self._publish_ready(seq)
 
