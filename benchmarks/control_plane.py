@@ -264,10 +264,8 @@ def memory_child(n_blocks: int) -> dict:
     base2 = tracemalloc.get_traced_memory()[0]
     plain = {key: 0 for i in range(n_prompts) for key in chain_keys(root, prompt(i))}
     plain_bytes = tracemalloc.get_traced_memory()[0] - base2
-    keys = list(plain)
-    del plain
     return {"cached_blocks": n_blocks, "bytes_per_block": round(ours / n_blocks, 1),
-            "dict_of_keys_bytes_per_block": round(plain_bytes / max(1, len(keys)), 1)}
+            "dict_of_keys_bytes_per_block": round(plain_bytes / max(1, len(plain)), 1)}
 
 
 def memory(sizes: list[int], repo: str | None, out: str) -> dict:

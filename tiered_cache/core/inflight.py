@@ -183,11 +183,6 @@ class InFlight:
                     "yourself: close the sequence and open it again"))
         writer.waiters = []
 
-    def shared_with(self, seq: Sequence) -> bool:
-        """Whether another open sequence holds one of `seq`'s blocks it has not published."""
-        ref = self._ref
-        return any(ref[b] > 1 for b in seq.blocks[seq.num_published:])
-
 
 def _advance(writer: Sequence, w: Waiter) -> None:
     r, written, needed = w.readiness, writer.written, w.needed
