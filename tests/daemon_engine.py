@@ -4,6 +4,8 @@
     python tests/daemon_engine.py SOCKET read FIRST N [SALT]    # open, check every cached token
     python tests/daemon_engine.py SOCKET loop FIRST N ROUNDS    # two prefixes in turn
 
+With TC_ENGINE_GID=N in the environment it runs as group N (as root: another tenant).
+
 Token ids are FIRST..FIRST+N-1 and the KV of each token is a fixed function of its id,
 position and layer (`expected_kv`), so every process knows what the right KV is. Prints one
 JSON line per step: cached tokens, by tier, and whether every cached token's KV was right.
@@ -12,6 +14,7 @@ JSON line per step: cached tokens, by tier, and whether every cached token's KV 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -76,6 +79,9 @@ def wait_published(cache: TieredKVCache, blocks: int, timeout: float = 30.0) -> 
 
 def main(argv: list[str]) -> int:
     socket, mode, first, n = argv[0], argv[1], int(argv[2]), int(argv[3])
+    if os.environ.get("TC_ENGINE_GID"):             # another tenant (daemon.tenants: gid:N)
+        os.setgroups([])
+        os.setgid(int(os.environ["TC_ENGINE_GID"]))
     tokens = list(range(first, first + n))
     with TieredKVCache(config(socket, 16 if mode == "loop" else 64)) as cache:
         if mode in ("write", "read"):

@@ -214,22 +214,9 @@ class TieredKVCache:
     def _cost_model(self, config: CacheConfig, specs: list[TierSpec]):
         """Load-vs-recompute estimates (tiered_cache.costs), when the model's size is known
         (`model.num_params`): without it there is no prefill cost to compare with."""
-        cm, model = config.cost_model, config.model
-        if not (cm.enabled and self.has_storage and model.num_params):
-            return None
-        from tiered_cache.costs import CostModel, ModelFlops, TierCost
+        from tiered_cache import costs
 
-        costs = CostModel(ModelFlops(model.num_params, model.num_layers, config.num_q_heads,
-                                     model.head_dim),
-                          prefill_tflops=cm.prefill_tflops, margin=cm.margin)
-        if any(s.kind == "disk" for s in specs):
-            costs.add_tier(TierCost("disk", latency_s=cm.disk_latency_ms / 1e3,
-                                    bandwidth_bps=cm.disk_bandwidth_gbps * 1e9))
-        remote = config.tiers.remote
-        if remote is not None:
-            costs.add_tier(TierCost("remote", latency_s=remote.latency_ms / 1e3,
-                                    bandwidth_bps=remote.bandwidth_gbps * 1e9))
-        return costs
+        return costs.from_config(config, [s.kind for s in specs]) if self.has_storage else None
 
     def _observe(self, src: int, dst: int, blocks: int, seconds: float) -> None:
         """A finished copy out of a slow slot tier (disk) feeds its cost estimates. (The remote
@@ -243,13 +230,8 @@ class TieredKVCache:
     def _worth(self, tier: int, nblocks: int, context_blocks: int) -> bool:
         """Whether loading `nblocks` from tier `tier` beats recomputing them (BlockIndex asks
         for disk-only blocks; open() for keyed tiers)."""
-        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed]
-        cost = self.costs.tiers.get(names[tier]) if self.costs is not None else None
-        if cost is None:
-            return True
-        bs = self.block_size
-        return self.costs.worth_loading(cost, nblocks=nblocks, nbytes=nblocks * self.block_bytes,
-                                        num_tokens=nblocks * bs, context_tokens=context_blocks * bs)
+        return self.costs.worth_blocks(self.index.tier_name(tier), nblocks, context_blocks,
+                                       block_bytes=self.block_bytes, block_size=self.block_size)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> TieredKVCache:

@@ -219,3 +219,33 @@ class CostModel:
                       context_tokens: int = 0) -> bool:
         return self.decide(tier, nblocks=nblocks, nbytes=nbytes, num_tokens=num_tokens,
                            context_tokens=context_tokens).load
+
+    def worth_blocks(self, tier: str, nblocks: int, context_blocks: int, *, block_bytes: int,
+                     block_size: int) -> bool:
+        """`worth_loading` in blocks (BlockIndex's `worth`); True for a tier not modelled."""
+        cost = self.tiers.get(tier)
+        if cost is None:
+            return True
+        return self.worth_loading(cost, nblocks=nblocks, nbytes=nblocks * block_bytes,
+                                  num_tokens=nblocks * block_size,
+                                  context_tokens=context_blocks * block_size)
+
+
+def from_config(config, slot_kinds: list[str]) -> CostModel | None:
+    """The cost model `config` asks for (`cost_model`, with the priors of `tiers.disk` when a
+    slot tier is a disk and of `tiers.remote`), or None when the model's size is not known
+    (`model.num_params`): without it there is no prefill cost to compare with."""
+    cm, model = config.cost_model, config.model
+    if not (cm.enabled and model.num_params):
+        return None
+    costs = CostModel(ModelFlops(model.num_params, model.num_layers, config.num_q_heads,
+                                 model.head_dim),
+                      prefill_tflops=cm.prefill_tflops, margin=cm.margin)
+    if "disk" in slot_kinds:
+        costs.add_tier(TierCost("disk", latency_s=cm.disk_latency_ms / 1e3,
+                                bandwidth_bps=cm.disk_bandwidth_gbps * 1e9))
+    remote = config.tiers.remote
+    if remote is not None:
+        costs.add_tier(TierCost("remote", latency_s=remote.latency_ms / 1e3,
+                                bandwidth_bps=remote.bandwidth_gbps * 1e9))
+    return costs

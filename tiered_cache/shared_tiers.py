@@ -6,7 +6,6 @@ them and how `open()` loads from them after the local match. Internal to `Tiered
 from __future__ import annotations
 
 import logging
-import os
 
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.keyed import leading
@@ -122,40 +121,12 @@ def _remote(cache, config: CacheConfig, specs: list[TierSpec]) -> tuple[list, li
     if not config.migrator.enabled:
         raise ConfigError("tiers.remote", "needs the migrator (migrator.enabled: true): "
                                           "only its background threads load and store")
-    from tiered_cache import records
-    from tiered_cache.data.remote_tier import RemoteTier
-    from tiered_cache.stores.base import StoreUnavailableError
+    from tiered_cache.data.remote_tier import RemoteTier, connect
 
-    try:
-        from tiered_cache.stores.redis import RedisStore
-    except ImportError as exc:
-        raise ConfigError("tiers.remote", f"needs redis-py: pip install "
-                                          f"'tiered-cache[remote]' ({exc})") from None
-    password = remote.password
-    if remote.password_env is not None:
-        password = os.environ.get(remote.password_env)
-        if password is None:
-            raise ConfigError("tiers.remote.password_env",
-                              f"environment variable {remote.password_env!r} is not set")
-    url = remote.url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
     host = cache.pools[1]
-    payload = cache.block_bytes
-    kw = dict(namespace=cache.hasher.namespace_digest(), num_tokens=cache.block_size,
-              cluster=remote.cluster, username=remote.username, password=password,
-              ssl_ca_certs=remote.tls_ca, ssl_certfile=remote.tls_cert,
-              ssl_keyfile=remote.tls_key, ssl_check_hostname=remote.tls_check_hostname,
-              prefix=remote.prefix,
-              ttl_s=int(remote.ttl_s) if remote.ttl_s is not None else None,
-              put_queue_bytes=remote.put_queue_mib << 20,
-              record_bytes=records.header_len(cache.block_size) + payload,
-              cost=cache.costs.tiers.get("remote") if cache.costs is not None else None)
-    try:
-        store = RedisStore(url, verify=True, **kw)
-    except StoreUnavailableError as exc:
-        # NOTE: an unreachable server is not a reason not to serve: the cache starts on its
-        # local tiers and the store's breaker probes the server again later.
-        log.warning("tiers.remote: %s; serving from the local tiers until it answers", exc)
-        store = RedisStore(url, verify=False, **kw)
+    store = connect(remote, namespace=cache.hasher.namespace_digest(),
+                    num_tokens=cache.block_size, payload_bytes=cache.block_bytes,
+                    cost=cache.costs.tiers.get("remote") if cache.costs is not None else None)
     pool = RemoteTier(store, host_kv=host.kv, host_scales=host.scales,
                       namespace=cache.hasher.namespace_digest())
     put_from = 1 if remote.write == "on_host" else None     # off: this cache only reads

@@ -330,6 +330,11 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                     return 0
             return len(self._match_after(seq, prev, parent_key))
 
+    def tier_name(self, tier: int) -> str:
+        """Name of slot tier `tier`, or of keyed tier `tier - len(tiers)` (as in Transfer)."""
+        n = len(self.tiers)
+        return self.tiers[tier].name if tier < n else self.keyed[tier - n].name
+
     def known(self, keys: list[bytes]) -> list[bool]:
         """Whether each key names a block in the index."""
         with self.lock:

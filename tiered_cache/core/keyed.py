@@ -78,67 +78,135 @@ class KeyedOps:
             parent = seq.chain if m else NO_BLOCK
             if m and (parent < 0 or t.key[parent] is None):
                 return 0                # a block before these is not published (yet)
-            blocks = seq.blocks[m:m + n]
             stage = self.reserve(host, n)[::-1] if staged else []
-            readiness = LayerReadiness(self.num_layers, n)
-            readiness.zero_copy = False
-            root = self.root_keys[seq.root_id]
-            dev = self._slots[DEVICE]
-            plan: list[Transfer] = []
-            tokens = seq.token_ids
-            for j, b in enumerate(blocks):
-                i = m + j
-                key = keys[j]
-                t.key[b] = key
-                t.published[b] = 1
-                t.tokens[b] = tokens[i * bs:(i + 1) * bs]
-                t.parent[b] = parent
-                t.root_id[b] = seq.root_id
-                t.inserted_at[b] = t.last_access[b] = self.clock
-                t.stored[b] |= 1 << keyed.position      # it came from there
-                prefix[key] = b
-                if parent != NO_BLOCK:
-                    self._link(parent, b)
-                    self._kids[DEVICE][parent] += 1
-                    if self._cand[parent]:
-                        self._refresh(parent)
-                if i < len(seq.keys):
-                    seq.keys[i] = key   # (computed at open: core/inflight.py)
-                else:
-                    seq.keys.append(key)
-                meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
-                                  i, t.token_bytes(b), 0)
-                if staged:
-                    h = stage.pop()
-                    plan.append(Transfer(b, keyed.index, NO_SLOT, host, h, meta=meta))
-                    plan.append(Transfer(b, host, h, DEVICE, dev[b]))
-                else:
-                    plan.append(Transfer(b, keyed.index, slots[j], DEVICE, dev[b], meta=meta,
-                                         ticket=ticket))
-                self.pending[b] = readiness
-                self._flight[b] += 1
-                self._refresh(b)
-                parent = b
-            try:
-                promote(plan, readiness)
-            except BaseException:
-                if self.pending.get(blocks[0]) is readiness:
-                    self.commit_promotion(plan, False)
-                raise
-            cached = (m + n) * bs
-            seq.num_cached_tokens = cached
-            seq.num_published = m + n
-            seq.chain = blocks[-1]
-            seq.written = [cached] * self.num_layers
-            seq.pending.append(readiness)
-            seq.cached_tokens_by_tier[keyed.name] = \
-                seq.cached_tokens_by_tier.get(keyed.name, 0) + n * bs
-            keyed.hit_tokens += n * bs
-            keyed.loads += n
-            self.counters.hit_tokens += n * bs
-            if self._inflight:
-                self._published_inflight(seq, m, m + n)
+            self._begin_load(seq, keyed, m, parent, keys[:n], promote, stage, slots, ticket)
             return n
+
+    def load_after(self, seq: Sequence, tier: int, parent_key: bytes, tokens: np.ndarray,
+                   keys: list[bytes], promote) -> int:
+        """The node daemon's `extend`. The hold `seq` (BlockIndex.open_blocks after
+        `parent_key`) took what the local tiers have; the next blocks, `tokens` (whole blocks)
+        with chained keys `keys`, are in unstaged keyed tier `tier` (a remote store): give the
+        hold new tier-0 slots for as many as there is room for and load them there. Returns how
+        many blocks the hold gained (a key published meanwhile, or one that is not the chained
+        hash of its tokens, ends the run)."""
+        with atomic(), self.lock:
+            self.check_open(seq)
+            keyed = self.keyed[tier]
+            t = self.blocks
+            prefix = self.prefix
+            bs = self.block_size
+            m = len(seq.blocks)
+            if keyed.staged or m != seq.num_published or seq.num_tokens != m * bs:
+                return 0
+            if m:
+                parent, key = seq.blocks[-1], t.key[seq.blocks[-1]]
+            elif parent_key == self.root_keys[seq.root_id]:
+                parent, key = NO_BLOCK, parent_key
+            else:
+                parent, key = prefix.get(parent_key, NO_BLOCK), parent_key
+                if parent == NO_BLOCK or t.root_id[parent] != seq.root_id:
+                    return 0
+            data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+            nbytes, n = 4 * bs, 0
+            limit = min(len(keys), len(data) // nbytes, self.room(DEVICE))
+            while n < limit:
+                # NOTE: the keys are the caller's; each is checked against its tokens so that
+                # no key can be published over another block's tokens.
+                key = self.hasher.key(key, data[n * nbytes:(n + 1) * nbytes])
+                if key != keys[n] or key in prefix:
+                    break
+                n += 1
+            if not n:
+                return 0
+            depth = t.depth[parent] + 1 if parent != NO_BLOCK else 0
+            if self.worth is not None and not self.worth(keyed.index, n, depth):
+                keyed.skipped += 1      # recomputing them is cheaper: a miss
+                return 0
+            slots = self.allocate(DEVICE, n)
+            # ---- nothing below fails but the hand-over (promote), which unwinds itself
+            dev, owner = self._slots[DEVICE], self.tiers[DEVICE].owner
+            for j, slot in enumerate(slots):
+                b = t.new(depth + j, 1)
+                dev[b] = slot
+                owner[slot] = b
+                seq.blocks.append(b)
+            self.tiers[DEVICE].pinned_blocks += n
+            seq.extend(np.frombuffer(data[:n * nbytes], dtype=np.int32))
+            self._begin_load(seq, keyed, m, parent, keys[:n], promote, [], None, 0)
+            return n
+
+    def _begin_load(self, seq: Sequence, keyed, m: int, parent: int, keys: list[bytes],
+                    promote, stage: list[int], slots: list[int] | None, ticket: int) -> None:
+        """Publish `seq`'s private blocks [m, m + len(keys)) under `keys` as blocks being
+        loaded from `keyed` after block `parent` (NO_BLOCK: the root), and hand the plan to
+        `promote`: through the host staging slots `stage` (popped from the end) for a staged
+        tier; straight into their tier-0 slots otherwise, from the tier's `slots` (None: the
+        tier has none, a remote store) under `ticket`. Lock held."""
+        t = self.blocks
+        prefix = self.prefix
+        n = len(keys)
+        blocks = seq.blocks[m:m + n]
+        host = self.stage_tier
+        readiness = LayerReadiness(self.num_layers, n)
+        readiness.zero_copy = False
+        root = self.root_keys[seq.root_id]
+        dev = self._slots[DEVICE]
+        plan: list[Transfer] = []
+        tokens = seq.token_ids
+        bs = self.block_size
+        for j, b in enumerate(blocks):
+            i = m + j
+            key = keys[j]
+            t.key[b] = key
+            t.published[b] = 1
+            t.tokens[b] = tokens[i * bs:(i + 1) * bs]
+            t.parent[b] = parent
+            t.root_id[b] = seq.root_id
+            t.inserted_at[b] = t.last_access[b] = self.clock
+            t.stored[b] |= 1 << keyed.position      # it came from there
+            prefix[key] = b
+            if parent != NO_BLOCK:
+                self._link(parent, b)
+                self._kids[DEVICE][parent] += 1
+                if self._cand[parent]:
+                    self._refresh(parent)
+            if i < len(seq.keys):
+                seq.keys[i] = key       # (computed at open: core/inflight.py)
+            else:
+                seq.keys.append(key)
+            meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
+                              t.depth[b], t.token_bytes(b), 0)
+            if stage:
+                h = stage.pop()
+                plan.append(Transfer(b, keyed.index, NO_SLOT, host, h, meta=meta))
+                plan.append(Transfer(b, host, h, DEVICE, dev[b]))
+            else:
+                plan.append(Transfer(b, keyed.index, slots[j] if slots is not None else NO_SLOT,
+                                     DEVICE, dev[b], meta=meta, ticket=ticket))
+            self.pending[b] = readiness
+            self._flight[b] += 1
+            self._refresh(b)
+            parent = b
+        try:
+            promote(plan, readiness)
+        except BaseException:
+            if self.pending.get(blocks[0]) is readiness:
+                self.commit_promotion(plan, False)
+            raise
+        cached = (m + n) * bs
+        seq.num_cached_tokens = cached
+        seq.num_published = m + n
+        seq.chain = blocks[-1]
+        seq.written = [cached] * self.num_layers
+        seq.pending.append(readiness)
+        seq.cached_tokens_by_tier[keyed.name] = \
+            seq.cached_tokens_by_tier.get(keyed.name, 0) + n * bs
+        keyed.hit_tokens += n * bs
+        keyed.loads += n
+        self.counters.hit_tokens += n * bs
+        if self._inflight:
+            self._published_inflight(seq, m, m + n)
 
     def note_skipped(self, tier: int) -> None:
         """A lookup was not made, or its blocks not loaded: recomputing was cheaper."""
@@ -193,10 +261,6 @@ class KeyedOps:
                     self.blocks.stored[tr.block] |= bit
                     keyed.puts += 1
                 self.end_move(tr.block)
-
-    def failed_loads(self, blocks: set[int] | frozenset[int], tier: int) -> None:
-        with self.lock:
-            self.keyed[tier].load_failures += len(blocks)
 
 
 def leading(hits: list[bool]) -> int:

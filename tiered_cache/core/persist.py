@@ -58,12 +58,13 @@ class Persistence:
                    and mine[b] == s]
             return sorted(out, key=t.depth.__getitem__)
 
-    def adopt(self, tier: int, root_id: int, entries: list) -> list[bool]:
+    def adopt(self, tier: int, root_id: int, entries: list) -> list[int]:
         """Publish blocks whose KV a client process copied into reserved slots of `tier` (the
         node daemon's shared pool): `entries` are (slot, RecordMeta) in chain order. A block is
         taken only if its key is the chained hash of its parent's key and its tokens, its root
         is `root_id`'s, its parent is published here (or it hangs off the root) and its key is
-        new; its slot is given back otherwise. Returns, per entry, whether it was taken.
+        new; its slot is given back otherwise. Returns, per entry, the block it became (NO_BLOCK:
+        not taken).
 
         NOTE: the KV itself cannot be checked here: a client can only ever publish into its
         own tenant (`root_id` is the daemon's, not the client's word), where it is the source
@@ -72,7 +73,7 @@ class Persistence:
             t = self.blocks
             root = self.root_keys[root_id]
             prefix, hasher = self.prefix, self.hasher
-            taken: list[bool] = []
+            taken: list[int] = []
             for slot, m in entries:
                 parent = NO_BLOCK if m.depth == 0 else prefix.get(m.parent, NO_BLOCK)
                 ok = (m.root == root and m.key not in prefix and len(m.tokens) == 4 *
@@ -83,7 +84,7 @@ class Persistence:
                 self.unreserve(tier)
                 if not ok:
                     self.free_slot(tier, slot)
-                    taken.append(False)
+                    taken.append(NO_BLOCK)
                     continue
                 b = t.new(m.depth, 0)
                 t.key[b] = m.key
@@ -97,7 +98,7 @@ class Persistence:
                 if parent != NO_BLOCK:
                     self._link(parent, b)
                 self.set_slot(b, tier, slot)
-                taken.append(True)
+                taken.append(b)
             return taken
 
     def copies_with_hits(self, tier: int) -> tuple[list[int], list[int]]:

@@ -234,6 +234,8 @@ class SlotOps:
                             self.clear_slot(b, p.src_tier)
                     continue
                 self.pending.pop(b, None)
+                if b in failed and p.src_tier >= n_slot:    # an unstaged keyed tier's load
+                    self.keyed[p.src_tier - n_slot].load_failures += 1
                 if ok:
                     self.counters.promotions += 1
                     self.counters.promotion_bytes += self.block_bytes

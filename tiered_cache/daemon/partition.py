@@ -12,8 +12,18 @@ reaped while it was stalled can only scribble on its own staging slots, never on
 daemon has since given to another block.
 
 Tier 0 of the partition's index is the shared host pool (kind "host"), tier 1 the disk tier if
-configured. The index, migrator and copy handlers are the engine's own (core/, migrator/,
-data/): the daemon adds no second implementation of eviction, demotion or recovery.
+configured, and beneath them the remote store (`tiers.remote`, a keyed tier) if configured. The
+index, migrator and copy handlers are the engine's own (core/, migrator/, data/): the daemon
+adds no second implementation of eviction, demotion, recovery, puts or loads.
+
+With a remote store, daemons on different nodes configured alike share prefixes through it:
+the tenant is part of every root (hashing.tenant_salt), hence of every server key, so tenant
+`a` of one node finds what tenant `a` of another wrote, and nothing of tenant `b`. A fetch that
+the local tiers end short asks the store which of the next blocks it holds (under
+`tiers.remote.lookup_deadline_ms`), and loads those into new pool slots of the hold
+(BlockIndex.load_after) when the cost model (if `model.num_params` is set) says loading beats
+recomputing; blocks published into the pool are put to the store in the background
+(`tiers.remote.write: on_host`).
 """
 
 from __future__ import annotations
@@ -28,10 +38,12 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from tiered_cache import assembly
+from tiered_cache import assembly, costs
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
+from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.core.index import BlockIndex
+from tiered_cache.core.keyed import leading
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.core.tier import TierSpec
 from tiered_cache.core.transfer import RecordMeta
@@ -45,6 +57,7 @@ from tiered_cache.sizing import tier_num_blocks
 log = logging.getLogger(__name__)
 
 HOST, DISK = 0, 1
+REMOTE = 0          # the keyed tier's number (BlockIndex.keyed)
 
 
 @register_error
@@ -113,7 +126,9 @@ class Partition:
                                      model.num_kv_heads, model.head_dim, model.dtype)
         self.shared = SharedPool.create(self.geometry, name=f"host-{tenant}")
         self.pools: list = [ShmHostPool(self.shared)]
+        self.remote = None          # data/remote_tier.RemoteTier when tiers.remote is set
         specs = [TierSpec("host", "host", self.geometry.num_slots)]
+        keyed: list[TierSpec] = []
         try:
             disk = config.tiers.disk
             n_disk = tier_num_blocks(config, "disk") if disk is not None else 0
@@ -128,30 +143,53 @@ class Partition:
                                            max_slots=disk.max_num_blocks))
                 specs.append(TierSpec("disk", "disk", n_disk, persistent=True,
                                       sync_target=False, admit_min_hits=disk.admit_min_hits))
+            self.costs = costs.from_config(config, [s.kind for s in specs])
+            remote = config.tiers.remote
+            if remote is not None:
+                from tiered_cache.data.remote_tier import RemoteTier, connect
+
+                store = connect(remote, namespace=self.hasher.namespace_digest(),
+                                num_tokens=bs, payload_bytes=config.block_bytes,
+                                cost=self.costs.tiers.get("remote") if self.costs else None)
+                self.remote = RemoteTier(store, host_kv=self.shared.kv, host_scales=None,
+                                         namespace=self.hasher.namespace_digest())
+                # NOTE: unstaged: a load lands straight in the pool slot the hold was given.
+                keyed.append(TierSpec("remote", "remote", 0, staged=False,
+                                      put_from=HOST if remote.write == "on_host" else None))
             self.index = BlockIndex(specs, policy=assembly.policy_factory(config),
                                     block_size=bs, num_layers=model.num_layers,
                                     hasher=self.hasher, block_bytes=config.block_bytes,
                                     verify_tokens=True, run=self._run, on_pressure=self._poke,
-                                    high_watermark=config.migrator.high_watermark)
-            from tiered_cache.data import disk_tier
+                                    high_watermark=config.migrator.high_watermark,
+                                    keyed=keyed, worth=self._worth if self.costs else None)
+            from tiered_cache.data import disk_tier, remote_tier
             from tiered_cache.data.executor import Executor
 
-            self.executor = Executor(self.pools, [s.kind for s in specs])
-            for (src, dst), handler in disk_tier.HANDLERS.items():
+            stores = [self.remote] if self.remote is not None else []
+            self.executor = Executor(self.pools + stores, [s.kind for s in specs + keyed])
+            for (src, dst), handler in (*disk_tier.HANDLERS.items(),
+                                        *remote_tier.HANDLERS.items()):
                 self.executor.register(src, dst, handler)
             if len(specs) > 1:
                 assembly.recover(self.index, self.pools)
-            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health)
+            puts = [REMOTE] if keyed and keyed[0].put_from is not None else []
+            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
+                                     put_tiers=puts)
         except BaseException:
             for pool in self.pools[1:]:
                 pool.close()
+            if self.remote is not None:
+                self.remote.close()
             self.shared.close()
             raise
+        self.lookup_deadline_s = remote.lookup_deadline_ms / 1e3 if remote else 0.0
+        self.lookahead = remote.lookahead_blocks if remote else 0
         self._roots: dict[bytes, tuple[int, bytes, str | None]] = {}  # key -> id, salt, adapter
         self._lock = threading.Lock()
         self.counters = {"fetches": 0, "fetched_blocks": 0, "fetch_misses": 0,
                          "published_blocks": 0, "rejected_blocks": 0, "lookups": 0,
-                         "fetch_timeouts": 0, "fetch_failures": 0, "duplicate_blocks": 0}
+                         "fetch_timeouts": 0, "fetch_failures": 0, "duplicate_blocks": 0,
+                         "remote_blocks": 0}
         self._closed = False
 
     # roots ------------------------------------------------------------------------------------
@@ -188,6 +226,8 @@ class Partition:
             self._count("fetch_misses")
             return None, []
         try:
+            if self.remote is not None:
+                self._load_remote(seq, root, parent, tokens)
             if not seq.blocks:
                 self._count("fetch_misses")
                 self.index.close(seq)
@@ -206,6 +246,30 @@ class Partition:
             raise
         self._count("fetched_blocks", len(slots))
         return seq, slots
+
+    def _load_remote(self, seq: Sequence, root: bytes, parent: bytes,
+                     tokens: np.ndarray) -> None:
+        """The hold ends before `tokens` do: ask the remote store for the next blocks (under
+        its lookup deadline, no lock held) and load those it has into the hold, if that beats
+        recomputing them (BlockIndex.load_after asks the cost model)."""
+        bs = self.block_size
+        m = len(seq.blocks)
+        rest = tokens[m * bs:(m + self.lookahead) * bs]
+        if not len(rest):
+            return
+        data = np.ascontiguousarray(rest, dtype=np.int32).tobytes()
+        key = seq.keys[m - 1] if m else parent
+        keys = []
+        for off in range(0, len(data), 4 * bs):
+            key = self.hasher.key(key, data[off:off + 4 * bs])
+            keys.append(key)
+        # NOTE: asked even while the store's breaker is open: it answers "absent" at once
+        # then, and lets one probe through after each backoff, which is how it comes back.
+        r = leading(self.remote.exists(root, keys, self.lookup_deadline_s))
+        if not r:
+            return
+        n = self.index.load_after(seq, REMOTE, parent, rest[:r * bs], keys[:r], self._promote)
+        self._count("remote_blocks", n)
 
     def release(self, seq: Sequence) -> None:
         if not seq.closed:
@@ -259,8 +323,11 @@ class Partition:
         metas = [(slot, RecordMeta(entries[i]["key"], entries[i]["parent"], root,
                                    entries[i]["depth"], entries[i]["tokens"],
                                    entries[i]["hits"])) for i, slot in zip(new, lent)]
-        for i, ok in zip(new, self.index.adopt(HOST, root_id, metas)):
-            taken[i] = ok
+        adopted = self.index.adopt(HOST, root_id, metas)
+        for i, b in zip(new, adopted):
+            taken[i] = b != NO_BLOCK
+        if self.migrator.put_tiers:
+            self.migrator.put_remote([b for b in adopted if b != NO_BLOCK])
         n = sum(taken)
         self._count("published_blocks", n)
         self._count("duplicate_blocks", len(entries) - len(new))
@@ -278,6 +345,12 @@ class Partition:
     def _run(self, plan) -> None:
         self.executor.run(plan)
 
+    def _worth(self, tier: int, nblocks: int, context_blocks: int) -> bool:
+        """Loading `nblocks` from `tier` beats recomputing them (the cost model)."""
+        return self.costs.worth_blocks(self.index.tier_name(tier), nblocks, context_blocks,
+                                       block_bytes=self.index.block_bytes,
+                                       block_size=self.block_size)
+
     def _poke(self) -> None:
         self.migrator.poke()
 
@@ -288,6 +361,8 @@ class Partition:
 
     def stats(self) -> dict:
         out = self.index.stats()
+        if self.remote is not None:
+            out["tiers"]["remote"]["store"] = self.remote.stats()
         out["copies"] = self.migrator.copy_stats()
         out["threads"] = self.health.summary()
         with self._lock:
@@ -327,6 +402,9 @@ class Partition:
             if n:
                 log.info("%s: %d blocks written to disk before stopping", self.tenant, n)
         assembly.close_persistent(self.index, self.pools)
+        if self.remote is not None:
+            self.remote.flush(5.0)          # puts queued before the stop reach the server
+            self.remote.close()
         self.shared.close()
 
     def describe(self) -> str:

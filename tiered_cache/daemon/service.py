@@ -34,7 +34,6 @@ from tiered_cache.daemon.peer import Allowlist, Peer
 from tiered_cache.daemon.protocol import Request
 from tiered_cache.daemon.shm import PoolGeometry, SharedPool
 from tiered_cache.daemon.transport import Response, Server, ServerConfig
-from tiered_cache.errors import ConfigError
 from tiered_cache.hashing import BlockHasher, tenant_salt
 
 log = logging.getLogger(__name__)
@@ -57,10 +56,6 @@ class NodeService:
     """Partitions, clients and the request handlers; `server` is the transport serving them."""
 
     def __init__(self, config: CacheConfig) -> None:
-        if config.tiers.remote is not None:
-            raise ConfigError("tiers.remote", "the node daemon has no remote tier (yet): its "
-                                              "partitions hold a host pool and a disk tier; "
-                                              "remove the section")
         self.config = config
         d = config.daemon
         self.namespace = BlockHasher(namespace_of(config)).namespace_digest()
