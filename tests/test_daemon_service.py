@@ -266,6 +266,55 @@ def test_an_engine_started_before_the_daemon_attaches_when_it_comes(tmp_path):
         d.stop()
 
 
+def test_blocks_computed_while_the_daemon_was_away_are_published_when_it_is_back(tmp_path):
+    cfg, sock = write_config(tmp_path)
+    d = NodeProcess(cfg, sock, log_path=tmp_path / "d.log").start()
+    code = textwrap.dedent(f"""
+        import json, sys, time
+        sys.path.insert(0, {str(HERE)!r})
+        import daemon_engine as e
+        from tiered_cache import TieredKVCache
+
+        def until(cond):
+            deadline = time.monotonic() + 30
+            while not cond() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return cond()
+
+        with TieredKVCache(e.config({sock!r})) as c:
+            daemon = c.stores[0]
+            print(json.dumps({{"attached": until(lambda: daemon.available)}}), flush=True)
+            sys.stdin.readline()                            # the daemon is killed
+            gone = until(lambda: not daemon.available)
+            away = e.step(c, list(range(300, 364)), None)   # computed while it is away
+            print(json.dumps({{"gone": gone, "away": away}}), flush=True)
+            sys.stdin.readline()                            # a new daemon is up
+            back = until(lambda: daemon.available)
+            taken = until(lambda: c.stats()["tiers"]["daemon"]["store"]["taken_blocks"] >= 16)
+            print(json.dumps({{"back": back, "taken": taken}}), flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(p.stdout.readline()) == {"attached": True}
+        d.kill()                                            # SIGKILL: nothing drained
+        p.stdin.write("\n")
+        p.stdin.flush()
+        away = json.loads(p.stdout.readline())
+        assert away["gone"] and away["away"]["cached"] == 0 and away["away"]["ok"]
+        d = NodeProcess(cfg, sock, log_path=tmp_path / "d.log").start()
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline()) == {"back": True, "taken": True}
+        assert p.wait(timeout=60) == 0, p.stderr.read()[-3000:]
+        # Another engine finds what the first computed while the daemon was gone.
+        [r] = result(engine(sock, "read", 300, 64))
+        assert r["ok"] and r["cached"] == 64 and r["by_tier"]["daemon"] == 64
+    finally:
+        p.kill()
+        d.stop()
+
+
 # ------------------------------------------------------------------ tenants
 
 

@@ -14,6 +14,7 @@ land between an acquisition and its release; it is raised when the section ends.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import threading
 import time
@@ -146,9 +147,9 @@ class TieredKVCache:
                 self.index.on_copied = lambda tier, blocks: (
                     migrator.put_remote(blocks) if tier == 1 else None)
         if config.tiers.daemon is not None:
-            index = self.index
-            self.stores[0].start(on_attach=lambda salt: (index.set_tenant(salt),
-                                                         index.forget_puts(0)))
+            self.stores[0].start(on_attach=functools.partial(
+                _attached, self.index, self.migrator if config.tiers.daemon.write ==
+                "on_compute" else None))
         if self.has_storage and config.compactor.enabled:
             self.compactor = Compactor(self.index, self.executor, config.compactor,
                                        health=self.health)
@@ -787,6 +788,20 @@ def _check_adapter(adapter_id: object) -> None:
         check_identifier("adapter_id", adapter_id)
     except ConfigError as exc:
         raise TokenError(str(exc)) from None
+
+
+def _attached(index: BlockIndex, migrator, tenant_salt: bytes) -> None:
+    """The node daemon tier (re)attached (on its thread): key roots under the tenant it
+    assigned, and publish what the device tier holds.
+
+    NOTE: a new daemon may have lost everything (a restart without a disk tier), and blocks
+    computed while it was away were never published: every published device block is put
+    again (blocks whose root the daemon keys differently are skipped by the put, and a block
+    the daemon already has is answered "not taken" and costs no copy there)."""
+    index.set_tenant(tenant_salt)
+    index.forget_puts(0)
+    if migrator is not None and not migrator.stopped:
+        migrator.put_remote(index.blocks_in(GPU))
 
 
 def _warm_up(pools: list) -> None:
