@@ -20,6 +20,8 @@ Hooks, all called with the control-plane lock held (keep them O(1) or O(log n)):
 - `access(b)`: a request reused b (it may or may not be a candidate right now).
   `blocks.hits[b]` and `blocks.last_access[b]` are already updated when this is called.
 - `victims(n)`: remove and return up to `n` candidates, best victim first.
+- `offer(b)`: b became a candidate and the caller takes a victim next: take b at once if it
+  would be that victim (the default inserts it and says no; eviction then calls `victim`).
 
 Per-block history that must outlive candidacy lives in the table (`hits`, `last_access`,
 `depth`, `inserted_at`); per-policy state keyed by the id must be dropped in `remove`, or
@@ -75,6 +77,16 @@ class CachePolicy(ABC):
         got = self.victims(1)
         return got[0] if got else -1
 
+    def offer(self, b: int) -> bool:
+        """b just became a candidate and the caller asks for a victim next (eviction: the
+        parent of a victim became a leaf). True: b is that victim, taken now and not kept,
+        exactly as `insert(b)` then `victim()` would have returned it; False: b was inserted.
+
+        The default always inserts (eviction then calls `victim`); a policy that can compare
+        b with its best candidate cheaply overrides it to spare the round trip."""
+        self.insert(b)
+        return False
+
     def resize(self, capacity_blocks: int) -> None:
         """The tier was resized. Policies that size queues or ghosts from the capacity read
         `capacity_blocks` again (or override this)."""
@@ -107,6 +119,13 @@ class PriorityPolicy(CachePolicy):
         # reuse unless it says otherwise.
         if "hears_every_access" not in cls.__dict__ and cls.access is not PriorityPolicy.access:
             cls.hears_every_access = True
+        # NOTE: `offer` below compares with the heap's best entry, which is only what `insert`
+        # then `victim` would do when neither is overridden (a policy that keeps more state
+        # there gets the general default unless it defines its own `offer`).
+        if "offer" not in cls.__dict__ and any(
+                getattr(cls, m) is not getattr(PriorityPolicy, m)
+                for m in ("insert", "remove", "victim")):
+            cls.offer = CachePolicy.offer
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
@@ -185,6 +204,29 @@ class PriorityPolicy(CachePolicy):
                     self._drain()
                 return b
         return -1
+
+    def offer(self, b: int) -> bool:
+        """`insert(b)` + `victim()` without the heap round trip when b is the best entry:
+        stale tops are shed (as `victim` would pop them), then b's entry is compared with the
+        best live entry of each heap. A tie goes to the older entry, as in the heap (b's entry
+        number would be the newest)."""
+        heap, old, live = self._heap, self._old, self._live
+        while heap and live.get(heap[0][3]) != heap[0][2]:
+            heapq.heappop(heap)
+        while old and live.get(old[0][3]) != old[0][2]:
+            heapq.heappop(old)
+        prio = self.priority(b)
+        e = (prio, -self.blocks.depth[b], next(self._seq), b)
+        if (heap and heap[0] < e) or (old and old[0] < e):
+            live[b] = e[2]
+            heapq.heappush(heap, e)
+            if old or len(heap) > 1024:
+                self._maybe_compact()
+            return False
+        self.on_evict(prio, b)
+        if old:
+            self._drain()
+        return True
 
     def on_evict(self, priority: float, b: int) -> None:  # noqa: B027 - optional hook
         """Called for each victim (aging policies raise their clock here)."""
