@@ -253,19 +253,22 @@ class Eviction:
         mine, owner, prefix, key, parent = self._slots[t], tier.owner, self.prefix, self._key, \
             self._parent
         kids, cand, ref, flight = self._kids[t], self._cand, self._ref, self._flight
-        first_child, gen, rows = table.first_child, table.gen, table._free
+        first_child, prev_sib, next_sib = table.first_child, table.prev_sibling, \
+            table.next_sibling
+        gen, rows = table.gen, table._free
         others = [s for i, s in enumerate(self._slots) if i != t]
         faster = self._slots[:t]
         limit = tier.allocator.capacity
+        persistent = tier.persistent
         bit = 1 << t
         missing = need() - len(freed)
-        dropped = 0
+        start = len(rows)
         nxt = -1
         while True:
             slot = mine[v]
             owner[slot] = NO_BLOCK
             mine[v] = NO_SLOT
-            if tier.persistent:         # its record is erased before the slot is reused
+            if persistent:              # its record is erased before the slot is reused
                 tier.reserved += 1
                 tier.erasing.append(slot)
             elif slot >= limit:
@@ -279,11 +282,13 @@ class Eviction:
             del prefix[key[v]]
             gen[v] = (gen[v] + 1) & 0xFFFFFFFF     # BlockTable.free, inlined: the hot path
             rows.append(v)
-            dropped += 1
             p = parent[v]
             if p == NO_BLOCK:
                 break
-            self._unlink(p, v)
+            if prev_sib[v] == NO_BLOCK and next_sib[v] == NO_BLOCK:
+                first_child[p] = NO_BLOCK           # an only child (_unlink's common case)
+            else:
+                self._unlink(p, v)
             kids[p] -= 1
             # _leaf_again, inlined: p's last child with a copy in tier t left; only tier t's
             # candidacy of p can change.
@@ -291,19 +296,21 @@ class Eviction:
                     or cand[p] & bit
                     or (ref[p] and not any(s[p] != NO_SLOT for s in faster))):
                 break
-            cand[p] |= bit
             if missing <= 0:
+                cand[p] |= bit
                 insert(p)
                 break
             if not offer(p):
+                cand[p] |= bit          # inserted
                 break
+            # p is the policy's victim now (taken: its candidate bit stays clear)
             if not chain or first_child[p] != NO_BLOCK or ref[p] or \
                     (others and any(s[p] != NO_SLOT for s in others)):
                 nxt = p
                 break
-            cand[p] &= ~bit
             tier.evictions += 1
             v = p
+        dropped = len(rows) - start
         self.counters.dropped_blocks += dropped
         table.num_live -= dropped
         return nxt

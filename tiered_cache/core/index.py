@@ -43,7 +43,7 @@ import numpy as np
 from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import BatchOps
-from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
+from tiered_cache.core.blocks import _VECTOR_MIN, NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
 from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedOps
@@ -852,15 +852,21 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if not slots:
             return
         t = self.blocks
-        dev, owner, depth = self._slots[GPU], self.tiers[GPU].owner, len(seq.blocks)
-        new = t.new
-        for slot in slots:
-            b = new(depth, 1)
-            depth += 1
-            dev[b] = slot
-            owner[slot] = b
-            seq.blocks.append(b)
-        self.tiers[GPU].pinned_blocks += len(slots)
+        tier = self.tiers[GPU]
+        ids = t.new_run(len(seq.blocks), len(slots), 1)
+        if len(ids) < _VECTOR_MIN:
+            dev, owner = self._slots[GPU], tier.owner
+            for b, slot in zip(ids, slots):
+                dev[b] = slot
+                owner[slot] = b
+        else:
+            at, where = np.asarray(ids, dtype=np.int32), np.asarray(slots, dtype=np.intp)
+            t.view("slots", GPU)[at] = where
+            # NOTE: a view of the owner map only for this call: the map grows with the tier
+            # (an array cannot be resized while a view of it lives).
+            np.frombuffer(tier.owner, dtype=np.int32)[where] = at
+        seq.blocks.extend(ids)
+        tier.pinned_blocks += len(slots)
 
 
 def _no_copy(plan: list[Transfer]) -> None:

@@ -112,6 +112,7 @@ class PriorityPolicy(CachePolicy):
 
     _DRAIN = 256
     hears_every_access = False      # access() only re-keys live candidates
+    _hooked_evict = False           # a subclass overrides on_evict (set per class)
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -122,6 +123,7 @@ class PriorityPolicy(CachePolicy):
         # NOTE: `offer` below compares with the heap's best entry, which is only what `insert`
         # then `victim` would do when neither is overridden (a policy that keeps more state
         # there gets the general default unless it defines its own `offer`).
+        cls._hooked_evict = cls.on_evict is not PriorityPolicy.on_evict
         if "offer" not in cls.__dict__ and any(
                 getattr(cls, m) is not getattr(PriorityPolicy, m)
                 for m in ("insert", "remove", "victim")):
@@ -207,26 +209,40 @@ class PriorityPolicy(CachePolicy):
 
     def offer(self, b: int) -> bool:
         """`insert(b)` + `victim()` without the heap round trip when b is the best entry:
-        stale tops are shed (as `victim` would pop them), then b's entry is compared with the
-        best live entry of each heap. A tie goes to the older entry, as in the heap (b's entry
-        number would be the newest)."""
-        heap, old, live = self._heap, self._old, self._live
-        while heap and live.get(heap[0][3]) != heap[0][2]:
-            heapq.heappop(heap)
-        while old and live.get(old[0][3]) != old[0][2]:
-            heapq.heappop(old)
+        stale tops are shed (as `victim` would pop them), then b is compared with the best
+        live entry of each heap. A tie on (priority, -depth) goes to the heap's entry, as in
+        the heap itself (b's entry number would be the newest)."""
         prio = self.priority(b)
-        e = (prio, -self.blocks.depth[b], next(self._seq), b)
-        if (heap and heap[0] < e) or (old and old[0] < e):
-            live[b] = e[2]
-            heapq.heappush(heap, e)
-            if old or len(heap) > 1024:
-                self._maybe_compact()
-            return False
-        self.on_evict(prio, b)
+        d = -self.blocks.depth[b]
+        heap, live = self._heap, self._live
+        while heap:
+            top = heap[0]
+            if live.get(top[3]) != top[2]:
+                heapq.heappop(heap)             # stale
+                continue
+            if top[0] < prio or (top[0] == prio and top[1] <= d):
+                return self._offer_lost(b, prio, d)
+            break
+        old = self._old
+        if old:
+            while old and live.get(old[0][3]) != old[0][2]:
+                heapq.heappop(old)
+            if old and (old[0][0] < prio or (old[0][0] == prio and old[0][1] <= d)):
+                return self._offer_lost(b, prio, d)
+        if self._hooked_evict:
+            self.on_evict(prio, b)
         if old:
             self._drain()
         return True
+
+    def _offer_lost(self, b: int, prio: float, d: int) -> bool:
+        """`offer`: a live entry beats b, which is inserted (as `insert` would)."""
+        n = next(self._seq)
+        self._live[b] = n
+        heapq.heappush(self._heap, (prio, d, n, b))
+        if self._old or len(self._heap) > 1024:
+            self._maybe_compact()
+        return False
 
     def on_evict(self, priority: float, b: int) -> None:  # noqa: B027 - optional hook
         """Called for each victim (aging policies raise their clock here)."""
