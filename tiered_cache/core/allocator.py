@@ -139,7 +139,70 @@ class SlotAllocator:
 
     def free(self, slots: Iterable[int]) -> None:
         """Return slots to the pool. Atomic: on any bad slot nothing is freed."""
-        batch = [operator.index(s) for s in slots]
+        batch = list(map(operator.index, slots))
+        if not batch:
+            return
+        if batch == sorted(batch):
+            self._free_sorted(batch)
+            return
+        flags = self._free
+        # NOTE: checked in C-speed passes (range, flags, distinct); only a bad batch walks
+        # slot by slot, to name the first bad slot.
+        if (min(batch) < 0 or max(batch) >= self._n or any(map(flags.__getitem__, batch))
+                or len(set(batch)) != len(batch)):
+            self._reject(batch)
+        # Freeing piece by piece (maximal ascending consecutive stretches of the batch) keeps the
+        # dict work per piece, not per slot, for the usual case of freeing whole runs.
+        i = 0
+        while i < len(batch):
+            j = i + 1
+            while j < len(batch) and batch[j] == batch[j - 1] + 1:
+                j += 1
+            self._free_piece(batch[i], j - i)
+            i = j
+
+    def _free_sorted(self, batch: list[int]) -> None:
+        """`free` of an ascending batch (eviction frees its victims' slots sorted): its pieces
+        are found by bisection and each checked with one flag scan, before anything changes.
+
+        NOTE: in an ascending batch of distinct slots `batch[j] - j` never decreases, and a
+        piece (consecutive slots) is a stretch where it stays the same: O(pieces * log n)
+        instead of a step per slot. The pieces are freed in the same order as below."""
+        n = len(batch)
+        if batch[0] < 0 or batch[-1] >= self._n or len(set(batch)) != n:
+            self._reject(batch)
+        pieces = []
+        i = 0
+        while i < n:
+            base = batch[i] - i
+            lo, hi = i + 1, n
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if batch[mid] - mid == base:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            pieces.append((batch[i], lo - i))
+            i = lo
+        flags = self._free
+        for start, count in pieces:
+            if flags.find(1, start, start + count) >= 0:
+                self._reject(batch)
+        for start, count in pieces:
+            self._free_piece(start, count)
+
+    def _free_piece(self, start: int, count: int) -> None:
+        """Free the checked slots [start, start + count)."""
+        self._free[start : start + count] = b"\x01" * count
+        kept = max(0, min(count, self._limit - start))   # the part below a shrink's limit
+        if kept:
+            self._num_free += kept
+            self._insert_free(start, kept)
+        self._retired += count - kept
+
+    def _reject(self, batch: list[int]) -> None:
+        """Raise for the first bad slot of a batch `free` refused (out of range, already free,
+        or twice in the batch)."""
         seen: set[int] = set()
         for s in batch:
             self._check_range(s)
@@ -148,21 +211,7 @@ class SlotAllocator:
             if s in seen:
                 raise ValueError(f"slot {s} appears more than once in one free() call")
             seen.add(s)
-        # Freeing piece by piece (maximal ascending consecutive stretches of the batch) keeps the
-        # dict work per piece, not per slot, for the usual case of freeing whole runs.
-        i = 0
-        while i < len(batch):
-            j = i + 1
-            while j < len(batch) and batch[j] == batch[j - 1] + 1:
-                j += 1
-            start, count = batch[i], j - i
-            self._free[start : start + count] = b"\x01" * count
-            kept = max(0, min(count, self._limit - start))   # the part below a shrink's limit
-            if kept:
-                self._num_free += kept
-                self._insert_free(start, kept)
-            self._retired += count - kept
-            i = j
+        raise AssertionError("unreachable: the batch was refused")
 
     def free_one(self, slot: int) -> None:
         """Return one slot: the eviction hot path's `free`, same checks, no batch overhead."""

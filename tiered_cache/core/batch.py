@@ -27,31 +27,51 @@ class Survey:
     unpinned: np.ndarray            # ref_count == 0 before the open
     promote: list[int]              # blocks with no device copy
     pinning: int                    # unpinned blocks with a device copy (room they take)
+    refs: np.ndarray                # ref_count before the open
+
+
+_NO_IDS = np.zeros(0, dtype=np.intp)
+_NO_FLAGS = np.zeros(0, dtype=bool)
 
 
 class BatchOps:
-    def _survey(self, blocks: list[int]) -> Survey:
+    def _survey(self, blocks: list[int], ids: np.ndarray | None = None) -> Survey:
+        """`ids`: `blocks` as an intp array, if the caller has one."""
+        if not blocks:              # a miss: nothing to look at (no numpy call at all)
+            return Survey(_NO_IDS, [_NO_FLAGS] * len(self.tiers), _NO_FLAGS, [], 0, _NO_IDS)
         t = self.blocks
-        ids = np.asarray(blocks, dtype=np.intp)
+        if ids is None:
+            ids = np.asarray(blocks, dtype=np.intp)
+        n = len(ids)
         copies = [t.view("slots", i)[ids] != NO_SLOT for i in range(len(self.tiers))]
-        unpinned = t.view("ref_count")[ids] == 0
+        refs = t.view("ref_count")[ids]
+        unpinned = refs == 0
         on_dev = copies[0]
-        promote = ids[~on_dev].tolist() if not on_dev.all() else []
-        pinning = int(np.count_nonzero(unpinned & on_dev))
-        return Survey(ids, copies, unpinned, promote, pinning)
+        # NOTE: count_nonzero rather than .all()/.any() here and below: a numpy reduction
+        # costs several times a count on a chain of a few dozen blocks.
+        if np.count_nonzero(on_dev) == n:
+            promote: list[int] = []
+            pinning = n - int(np.count_nonzero(refs))
+        else:
+            promote = ids[~on_dev].tolist()
+            pinning = int(np.count_nonzero(unpinned & on_dev))
+        return Survey(ids, copies, unpinned, promote, pinning, refs)
 
     def _pin_all(self, s: Survey) -> None:
         """ref_count += 1 for the chain; newly pinned blocks leave the candidate sets they no
         longer belong to."""
         t, ids = self.blocks, s.ids
-        ref = t.view("ref_count")
-        ref[ids] += 1
+        if not len(ids):
+            return
+        t.view("ref_count")[ids] = s.refs + 1       # (the chain holds each block once)
         first = s.unpinned
-        for tier, has in zip(self.tiers, s.copies):
+        self.tiers[0].pinned_blocks += s.pinning    # unpinned with a device copy, counted
+        for tier, has in zip(self.tiers[1:], s.copies[1:]):
             tier.pinned_blocks += int(np.count_nonzero(has & first))
-        was = ids[first & (t.view("candidate")[ids] != 0)]
-        for b in was.tolist():
-            self._refresh(b)
+        cand = t.view("candidate")[ids]
+        if np.count_nonzero(cand):
+            for b in ids[first & (cand != 0)].tolist():
+                self._refresh(b)
 
     def _unpin_survey(self, s: Survey) -> None:
         """Undo `_pin_all` (an open that failed after pinning)."""
@@ -62,13 +82,17 @@ class BatchOps:
         they now belong to. Returns the blocks that are unpinned now."""
         if not blocks:
             return []
+        return self._unpin_ids(np.asarray(blocks, dtype=np.intp)).tolist()
+
+    def _unpin_ids(self, ids: np.ndarray) -> np.ndarray:
+        """`_unpin_all` of an id array (each id once); returns the ids unpinned now."""
         t = self.blocks
-        ids = np.asarray(blocks, dtype=np.intp)
         ref = t.view("ref_count")
-        ref[ids] -= 1
-        zero = ids[ref[ids] == 0]
-        if not len(zero):
-            return []
+        left = ref[ids] - 1
+        ref[ids] = left
+        if np.count_nonzero(left) == len(left):
+            return _NO_IDS
+        zero = ids[left == 0]
         # Unpinning can only make a block a candidate, and only of a tier where it has a
         # copy and no child with one: find those, and let _refresh decide.
         maybe = None
@@ -79,7 +103,7 @@ class BatchOps:
             maybe = leaf if maybe is None else maybe | leaf
         for b in zero[maybe].tolist():
             self._refresh(b)
-        return zero.tolist()
+        return zero
 
     def _touch(self, s: Survey, clock: int) -> list[int]:
         """A request reused the chain: hits, last use, and every policy holding a copy hears
@@ -92,12 +116,10 @@ class BatchOps:
         t = self.blocks
         t.view("hits")[ids] += 1
         t.view("last_access")[ids] = clock
-        unserved = None
-        for tier, has in zip(tiers, s.copies):
-            if unserved is None:
-                served[tier.index] = int(np.count_nonzero(has))
-                unserved = ~has
-            else:
+        served[0] = len(ids) - len(s.promote)
+        if len(tiers) > 1:
+            unserved = ~s.copies[0]
+            for tier, has in zip(tiers[1:], s.copies[1:]):
                 served[tier.index] = int(np.count_nonzero(has & unserved))
                 unserved &= ~has
         if s.promote:
@@ -108,11 +130,15 @@ class BatchOps:
             # NOTE: every tier holding a copy hears of the reuse, candidate or not (the block
             # is pinned by now), unless its policy only keys candidates (policies/base.py).
             if tier.policy.hears_every_access:
-                hear = ids[has]
+                hear = ids if tier.index == 0 else ids[has]     # all on the device by now
+            elif tier.index == 0:
+                # NOTE: a pinned block is no device candidate (no tier is faster: invariant
+                # 4), and the whole chain is pinned by now.
+                continue
             else:
                 if cand is None:
                     cand = t.view("candidate")[ids]
-                if not cand.any():
+                if not np.count_nonzero(cand):
                     continue
                 hear = ids[has & ((cand >> tier.index) & 1).astype(bool)]
             access = tier.policy.access

@@ -29,6 +29,9 @@ import numpy as np
 NO_SLOT = -1
 NO_BLOCK = -1
 _DTYPES = {code: np.dtype(code) for code in "bBhHiIlLqQ"}
+_VECTOR_MIN = 16
+"""Runs of at least this many blocks are updated with numpy (a call costs about as much as
+16 single-cell writes); shorter ones cell by cell."""
 
 
 def _cells(typecode: str, n: int, fill: int = 0) -> array:
@@ -92,6 +95,41 @@ class BlockTable:
         self.stored[b] = 0
         self.num_live += 1
         return b
+
+    def new_run(self, depth: int, n: int, ref_count: int = 0) -> list[int]:
+        """n fresh private blocks at depths depth, depth + 1, ...: the ids n calls of `new`
+        would return, set up in one pass (vectorised for long runs: a prompt's new blocks)."""
+        free = self._free
+        while len(free) < n:
+            self.grow(2 * self.capacity)
+        ids = free[len(free) - n:]
+        del free[len(free) - n:]
+        ids.reverse()                       # `new` pops from the end
+        self.num_live += n
+        key = self.key
+        if n < _VECTOR_MIN:
+            d, r, p, h, pub, st = (self.depth, self.ref_count, self.parent, self.hits,
+                                   self.published, self.stored)
+            for b in ids:
+                d[b] = depth
+                depth += 1
+                r[b] = ref_count
+                p[b] = NO_BLOCK
+                h[b] = 0
+                key[b] = None
+                pub[b] = 0
+                st[b] = 0
+            return ids
+        at = np.asarray(ids, dtype=np.intp)
+        self.view("depth")[at] = np.arange(depth, depth + n, dtype=np.int32)
+        self.view("ref_count")[at] = ref_count
+        self.view("parent")[at] = NO_BLOCK
+        self.view("hits")[at] = 0
+        self.view("published")[at] = 0
+        self.view("stored")[at] = 0
+        for b in ids:
+            key[b] = None
+        return ids
 
     def free(self, b: int) -> None:
         """Return row b for reuse. The caller has cleared it: no copy, unpublished, unpinned,

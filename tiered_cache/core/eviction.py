@@ -169,13 +169,16 @@ class Eviction:
         # leaves as one run: one merge in the allocator instead of one per block), so what is
         # still missing is need() minus the slots already set aside.
         freed: list[int] = []
-        limit = tier.allocator.capacity
         # Lower-tier slots reserved in batches: one lower-tier eviction pass serves many
         # demotions instead of one per victim. Unused ones are given back at the end.
         reserve: list[int] = []
+        nxt = -1            # the policy's next victim, handed over already by `offer`
         try:
             while need() - len(freed) > 0:
-                v = victim()
+                if nxt >= 0:
+                    v, nxt = nxt, -1
+                else:
+                    v = victim()
                 if v < 0:
                     # Room counted blocks that are not candidates yet (a parent whose child
                     # is in flight): transient when copies under way will change that.
@@ -210,63 +213,107 @@ class Eviction:
                 tier.evictions += 1
                 if first_child[v] == NO_BLOCK and ref[v] == 0 and flight[v] == 0 and \
                         (not others or all(s[v] == NO_SLOT for s in others)):
-                    slot = self._drop_leaf(v, t)         # the common case, in one step
-                    if slot >= limit:
-                        # NOTE: a slot in a shrink's tail is retired, not freed: no room for
-                        # anyone, so it must not count as set aside (need() sees the rest).
-                        tier.allocator.free_one(slot)
-                    elif slot >= 0:
-                        freed.append(slot)
+                    # the common case, in one step (and its chain with it)
+                    nxt = self._drop_leaves(v, t, need, freed, chain=below is None)
                     continue
                 self.clear_slot(v, t)
                 if self.blocks.fastest_tier(v) < 0:
                     self.counters.dropped_blocks += self.drop_subtree(v)
         finally:
+            if nxt >= 0:                # taken from the policy but not evicted: give it back
+                cand[nxt] &= clear
+                self._refresh(nxt)
             if freed:
                 freed.sort()
                 tier.allocator.free(freed)
             if reserve:
                 self.tiers[below].allocator.free(reserve)
 
-    def _drop_leaf(self, v: int, t: int) -> int:
-        """Drop a published, unpinned, childless block whose only copy is in tier t: what
-        clear_slot + drop_subtree + _release do, without their general bookkeeping. Returns
-        the slot, which the caller frees (it is no longer owned), or -1 when it waits to be
-        erased (a persistent tier)."""
-        mine = self._slots[t]
-        slot = mine[v]
-        tier = self.tiers[t]
-        tier.owner[slot] = NO_BLOCK
-        if tier.persistent:         # its record is erased before the slot is reused
-            tier.reserved += 1
-            tier.erasing.append(slot)
-            slot = -1
-        mine[v] = NO_SLOT
-        del self.prefix[self._key[v]]
-        p = self._parent[v]
-        if p != NO_BLOCK:
-            self._unlink(p, v)
-            kids = self._kids[t]
-            kids[p] -= 1
-            if not kids[p]:
-                self._leaf_again(p, t)
-        self.counters.dropped_blocks += 1
-        t = self.blocks
-        t.gen[v] = (t.gen[v] + 1) & 0xFFFFFFFF     # BlockTable.free, inlined: the hot path
-        t._free.append(v)
-        t.num_live -= 1
-        return slot
+    def _drop_leaves(self, v: int, t: int, need: Callable[[], int], freed: list[int],
+                     chain: bool) -> int:
+        """Drop leaf v, a published, unpinned, childless block whose only copy is in tier t:
+        what clear_slot + drop_subtree + _release do, without their general bookkeeping. Its
+        slot goes to `freed` (the caller frees them in one batch), is retired (a shrink's
+        tail) or waits to be erased (a persistent tier).
 
-    def _leaf_again(self, p: int, t: int) -> None:
-        """p's last child with a copy in tier t left: p may now be a candidate of tier t
-        (only tier t's candidacy can change; `_refresh` narrowed to it)."""
-        if (self._key[p] is None or self._flight[p] or self._slots[t][p] == NO_SLOT
-                or self._cand[p] >> t & 1):
-            return
-        if self._ref[p] and not any(s[p] != NO_SLOT for s in self._slots[:t]):
-            return
-        self._cand[p] |= 1 << t
-        self.tiers[t].policy.insert(p)
+        Then, while slots are still missing and the parent v leaves behind becomes a candidate
+        that the policy says is its very next victim (`offer`), that parent is the next
+        victim: dropped here too when `chain` (nothing is demoted) and it is such a leaf, else
+        returned for the caller to evict as it would `victim()`'s. Returns -1 otherwise.
+
+        NOTE: a chain leaves leaf first, one block per turn, exactly as victims taken one at a
+        time would (the policy decides each step); only the heap round trip and the per-block
+        calls are spared. `missing` tracks need() - len(freed) without calling need() per
+        block: setting a slot aside only grows `freed`, and only retiring a tail slot changes
+        the allocator (need() is asked again then)."""
+        tier = self.tiers[t]
+        policy = tier.policy
+        offer, insert = policy.offer, policy.insert
+        table = self.blocks
+        mine, owner, prefix, key, parent = self._slots[t], tier.owner, self.prefix, self._key, \
+            self._parent
+        kids, cand, ref, flight = self._kids[t], self._cand, self._ref, self._flight
+        first_child, prev_sib, next_sib = table.first_child, table.prev_sibling, \
+            table.next_sibling
+        gen, rows = table.gen, table._free
+        others = [s for i, s in enumerate(self._slots) if i != t]
+        faster = self._slots[:t]
+        limit = tier.allocator.capacity
+        persistent = tier.persistent
+        bit = 1 << t
+        missing = need() - len(freed)
+        start = len(rows)
+        nxt = -1
+        while True:
+            slot = mine[v]
+            owner[slot] = NO_BLOCK
+            mine[v] = NO_SLOT
+            if persistent:              # its record is erased before the slot is reused
+                tier.reserved += 1
+                tier.erasing.append(slot)
+            elif slot >= limit:
+                # NOTE: a slot in a shrink's tail is retired, not freed: no room for anyone,
+                # so it must not count as set aside (need() sees the rest).
+                tier.allocator.free_one(slot)
+                missing = need() - len(freed)
+            else:
+                freed.append(slot)
+                missing -= 1
+            del prefix[key[v]]
+            gen[v] = (gen[v] + 1) & 0xFFFFFFFF     # BlockTable.free, inlined: the hot path
+            rows.append(v)
+            p = parent[v]
+            if p == NO_BLOCK:
+                break
+            if prev_sib[v] == NO_BLOCK and next_sib[v] == NO_BLOCK:
+                first_child[p] = NO_BLOCK           # an only child (_unlink's common case)
+            else:
+                self._unlink(p, v)
+            kids[p] -= 1
+            # _leaf_again, inlined: p's last child with a copy in tier t left; only tier t's
+            # candidacy of p can change.
+            if (kids[p] or key[p] is None or flight[p] or mine[p] == NO_SLOT
+                    or cand[p] & bit
+                    or (ref[p] and not any(s[p] != NO_SLOT for s in faster))):
+                break
+            if missing <= 0:
+                cand[p] |= bit
+                insert(p)
+                break
+            if not offer(p):
+                cand[p] |= bit          # inserted
+                break
+            # p is the policy's victim now (taken: its candidate bit stays clear)
+            if not chain or first_child[p] != NO_BLOCK or ref[p] or \
+                    (others and any(s[p] != NO_SLOT for s in others)):
+                nxt = p
+                break
+            tier.evictions += 1
+            v = p
+        dropped = len(rows) - start
+        self.counters.dropped_blocks += dropped
+        table.num_live -= dropped
+        return nxt
 
     def _coalesce(self, plan: list[Transfer]) -> list[Transfer]:
         """Pair ascending source slots with ascending destination slots (a permutation of the

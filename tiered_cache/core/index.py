@@ -42,8 +42,8 @@ import numpy as np
 
 from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.atomic import atomic
-from tiered_cache.core.batch import BatchOps
-from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
+from tiered_cache.core.batch import _NO_IDS, BatchOps
+from tiered_cache.core.blocks import _VECTOR_MIN, NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
 from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedOps
@@ -272,7 +272,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         root, root_id = self.hasher.root(salt, adapter_id)
         self.root_keys[root_id] = root
         seq = Sequence(id(self), root, root_id, tokens, self.num_layers, salt, adapter_id)
-        matched = self._match(seq)
+        matched, ids = self._match_ids(seq)
         shared = self._match_inflight(seq, matched) if self.share_inflight else []
         if reserve_last and (len(matched) + len(shared)) * self.block_size >= len(tokens) > 0:
             (shared or matched).pop()
@@ -283,7 +283,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             self._trim_slow(seq, matched)
             if len(matched) < n:
                 shared = []                 # (their keys went with the trimmed ones)
-        return self._start(seq, matched, promote, t0, shared)
+        # NOTE: the trims above only cut the end of the match, so its id array is a prefix.
+        return self._start(seq, matched, promote, t0, shared, ids[:len(matched)])
 
     @_mutator
     def open_blocks(self, root_id: int, parent_key: bytes, tokens: np.ndarray,
@@ -385,12 +386,12 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         return matched
 
     def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
-               t0: float, shared: list[int] = ()) -> Sequence:
+               t0: float, shared: list[int] = (), ids: np.ndarray | None = None) -> Sequence:
         """The rest of `open`: pin the matched blocks, make them resident in tier 0, take the
         `shared` blocks other sequences are computing after them (core/inflight.py), give the
-        sequence slots for the tokens after those."""
+        sequence slots for the tokens after those. `ids`: `matched` as an intp array."""
         tokens = seq.token_ids
-        survey = self._survey(matched)
+        survey = self._survey(matched, ids)
         promote_ids = survey.promote
         need = (len(promote_ids) + -(-len(tokens) // self.block_size) - len(matched)
                 - len(shared))
@@ -547,17 +548,25 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
     def _close(self, seq: Sequence) -> None:
         self.clock += 1
         t = self.blocks
-        key = t.key
         blocks = seq.blocks
         if blocks:
-            ids = np.asarray(blocks, dtype=np.intp)
-            t.view("last_access")[ids[t.view("published")[ids] != 0]] = self.clock
-        # Leaf first, so ties in recency evict the deepest block of a chain first.
-        if seq.registered or seq.waiters:
+            # Leaf first, so ties in recency evict the deepest block of a chain first.
+            ids = np.asarray(blocks[::-1], dtype=np.intp)
+            published = t.view("published")
+            pub = published[ids]
+            t.view("last_access")[ids if np.count_nonzero(pub) == len(ids) else
+                                  ids[pub != 0]] = self.clock
+            if seq.registered or seq.waiters:
+                self._close_inflight(seq)
+            zero = self._unpin_ids(ids)
+            if len(zero):
+                # NOTE: releasing a private block changes no other block's key or flight.
+                private = published[zero] == 0
+                if np.count_nonzero(private):
+                    for b in zero[private & (t.view("in_flight")[zero] == 0)].tolist():
+                        self._release(b)
+        elif seq.registered or seq.waiters:
             self._close_inflight(seq)
-        for b in self._unpin_all(blocks[::-1]):
-            if key[b] is None and self._flight[b] == 0:
-                self._release(b)
         seq.blocks = []
         seq.closed = True
         del self._open[seq.id]
@@ -661,13 +670,18 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
 
     # ------------------------------------------------------------------ prefix matching
     def _match(self, seq: Sequence) -> list[int]:
+        """`_match_ids` without the id array."""
+        return self._match_ids(seq)[0]
+
+    def _match_ids(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
         """Longest run of published blocks that equals the sequence's leading full blocks.
 
         Keys are computed block by block and only up to the first miss: a miss ends the walk,
         so a 1M-token prompt with a short cached prefix hashes only that prefix. Every match
         is then verified: the parent is the block matched before it (the root id at depth 0)
         and, with verify_tokens, the stored token ids equal the request's, so a colliding key
-        never returns another prompt's or tenant's KV.
+        never returns another prompt's or tenant's KV. Returns the blocks, and their ids as
+        an intp array (the verification made it; `_start` surveys the chain with it).
         """
         tokens = seq.token_ids
         bs = self.block_size
@@ -685,24 +699,26 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                 break
             add_key(key)
             add_block(b)
-        if matched:
-            good = self._verified(seq, matched)
-            if good < len(matched):
-                seq.collided = True     # counted only if the open succeeds
-                del matched[good:]
-                del keys[good:]
-        return matched
+        if not matched:
+            return matched, _NO_IDS
+        ids = np.asarray(matched, dtype=np.intp)
+        good = self._verified(seq, matched, ids)
+        if good < len(matched):
+            seq.collided = True     # counted only if the open succeeds
+            del matched[good:]
+            del keys[good:]
+            ids = ids[:good]
+        return matched, ids
 
-    def _verified(self, seq: Sequence, matched: list[int]) -> int:
+    def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray) -> int:
         """How many leading blocks of a key match really are the request's: each one's parent
         is the block before it (the first a root of this namespace and salt) and, with
         verify_tokens, its stored token ids equal the request's."""
         t = self.blocks
         n = len(matched)
         bs = self.block_size
-        ids = np.asarray(matched, dtype=np.int32)
-        parents = t.view("parent").take(ids)
-        stored = t.tokens.take(ids, axis=0) if self.verify_tokens else None
+        parents = t.view("parent")[ids].astype(np.intp)
+        stored = t.tokens[ids] if self.verify_tokens else None
         want = seq.token_ids[:n * bs]
         # NOTE: whole-chain byte comparisons first: one call each where the match is good
         # (nearly always); the per-block search below only runs on a collision.
@@ -743,11 +759,11 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         parent = seq.chain if first else NO_BLOCK
         if ready - first >= 2 and parent != BROKEN and (parent == NO_BLOCK
                                                          or key_of[parent] is not None):
-            get = prefix.get
             run = keys[first:ready]
             # NOTE: distinct too: a hash that collides within the run must meet the scalar
-            # path's collision handling, not overwrite its own first block's entry.
-            if not any(get(k) is not None for k in run) and len(set(run)) == len(run):
+            # path's collision handling, not overwrite its own first block's entry. (The
+            # index maps keys to ids, never to None: disjoint keys are keys not found.)
+            if prefix.keys().isdisjoint(run) and len(set(run)) == len(run):
                 fresh = self._publish_chain(seq, first, ready, parent)
                 if self._inflight or seq.waiters:
                     fresh += self._published_inflight(seq, first, ready)
@@ -857,15 +873,21 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if not slots:
             return
         t = self.blocks
-        dev, owner, depth = self._slots[GPU], self.tiers[GPU].owner, len(seq.blocks)
-        new = t.new
-        for slot in slots:
-            b = new(depth, 1)
-            depth += 1
-            dev[b] = slot
-            owner[slot] = b
-            seq.blocks.append(b)
-        self.tiers[GPU].pinned_blocks += len(slots)
+        tier = self.tiers[GPU]
+        ids = t.new_run(len(seq.blocks), len(slots), 1)
+        if len(ids) < _VECTOR_MIN:
+            dev, owner = self._slots[GPU], tier.owner
+            for b, slot in zip(ids, slots):
+                dev[b] = slot
+                owner[slot] = b
+        else:
+            at, where = np.asarray(ids, dtype=np.int32), np.asarray(slots, dtype=np.intp)
+            t.view("slots", GPU)[at] = where
+            # NOTE: a view of the owner map only for this call: the map grows with the tier
+            # (an array cannot be resized while a view of it lives).
+            np.frombuffer(tier.owner, dtype=np.int32)[where] = at
+        seq.blocks.extend(ids)
+        tier.pinned_blocks += len(slots)
 
 
 def _no_copy(plan: list[Transfer]) -> None:

@@ -20,6 +20,8 @@ Hooks, all called with the control-plane lock held (keep them O(1) or O(log n)):
 - `access(b)`: a request reused b (it may or may not be a candidate right now).
   `blocks.hits[b]` and `blocks.last_access[b]` are already updated when this is called.
 - `victims(n)`: remove and return up to `n` candidates, best victim first.
+- `offer(b)`: b became a candidate and the caller takes a victim next: take b at once if it
+  would be that victim (the default inserts it and says no; eviction then calls `victim`).
 
 Per-block history that must outlive candidacy lives in the table (`hits`, `last_access`,
 `depth`, `inserted_at`); per-policy state keyed by the id must be dropped in `remove`, or
@@ -75,6 +77,16 @@ class CachePolicy(ABC):
         got = self.victims(1)
         return got[0] if got else -1
 
+    def offer(self, b: int) -> bool:
+        """b just became a candidate and the caller asks for a victim next (eviction: the
+        parent of a victim became a leaf). True: b is that victim, taken now and not kept,
+        exactly as `insert(b)` then `victim()` would have returned it; False: b was inserted.
+
+        The default always inserts (eviction then calls `victim`); a policy that can compare
+        b with its best candidate cheaply overrides it to spare the round trip."""
+        self.insert(b)
+        return False
+
     def resize(self, capacity_blocks: int) -> None:
         """The tier was resized. Policies that size queues or ghosts from the capacity read
         `capacity_blocks` again (or override this)."""
@@ -100,6 +112,7 @@ class PriorityPolicy(CachePolicy):
 
     _DRAIN = 256
     hears_every_access = False      # access() only re-keys live candidates
+    _hooked_evict = False           # a subclass overrides on_evict (set per class)
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -107,6 +120,14 @@ class PriorityPolicy(CachePolicy):
         # reuse unless it says otherwise.
         if "hears_every_access" not in cls.__dict__ and cls.access is not PriorityPolicy.access:
             cls.hears_every_access = True
+        # NOTE: `offer` below compares with the heap's best entry, which is only what `insert`
+        # then `victim` would do when neither is overridden (a policy that keeps more state
+        # there gets the general default unless it defines its own `offer`).
+        cls._hooked_evict = cls.on_evict is not PriorityPolicy.on_evict
+        if "offer" not in cls.__dict__ and any(
+                getattr(cls, m) is not getattr(PriorityPolicy, m)
+                for m in ("insert", "remove", "victim")):
+            cls.offer = CachePolicy.offer
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
@@ -185,6 +206,43 @@ class PriorityPolicy(CachePolicy):
                     self._drain()
                 return b
         return -1
+
+    def offer(self, b: int) -> bool:
+        """`insert(b)` + `victim()` without the heap round trip when b is the best entry:
+        stale tops are shed (as `victim` would pop them), then b is compared with the best
+        live entry of each heap. A tie on (priority, -depth) goes to the heap's entry, as in
+        the heap itself (b's entry number would be the newest)."""
+        prio = self.priority(b)
+        d = -self.blocks.depth[b]
+        heap, live = self._heap, self._live
+        while heap:
+            top = heap[0]
+            if live.get(top[3]) != top[2]:
+                heapq.heappop(heap)             # stale
+                continue
+            if top[0] < prio or (top[0] == prio and top[1] <= d):
+                return self._offer_lost(b, prio, d)
+            break
+        old = self._old
+        if old:
+            while old and live.get(old[0][3]) != old[0][2]:
+                heapq.heappop(old)
+            if old and (old[0][0] < prio or (old[0][0] == prio and old[0][1] <= d)):
+                return self._offer_lost(b, prio, d)
+        if self._hooked_evict:
+            self.on_evict(prio, b)
+        if old:
+            self._drain()
+        return True
+
+    def _offer_lost(self, b: int, prio: float, d: int) -> bool:
+        """`offer`: a live entry beats b, which is inserted (as `insert` would)."""
+        n = next(self._seq)
+        self._live[b] = n
+        heapq.heappush(self._heap, (prio, d, n, b))
+        if self._old or len(self._heap) > 1024:
+            self._maybe_compact()
+        return False
 
     def on_evict(self, priority: float, b: int) -> None:  # noqa: B027 - optional hook
         """Called for each victim (aging policies raise their clock here)."""
