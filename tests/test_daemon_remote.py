@@ -226,3 +226,26 @@ def test_the_cost_model_skips_a_store_that_loses_to_recompute(tmp_path, redis_ur
     finally:
         a.stop()
         b.stop()
+
+
+def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, server, redis_url):
+    import numpy as np
+
+    a, b = start(tmp_path, "a", redis_url), start(tmp_path, "b", redis_url)
+    try:
+        run_engine(a.socket_path, "write", 8000, 48)
+        wait_for(lambda: put_blocks(a.socket_path) == 12, "A's puts")
+        c = Client(a.socket_path, make_protocol(), timeout_s=10).connect()
+        try:
+            c.call("hello")
+            root = c.call("root", salt=b"")["root"]
+            dropped = c.call("invalidate", root=root, tokens=np.arange(8000, 8008))["blocks"]
+        finally:
+            c.close()
+        assert dropped == 12                    # the prefix and everything below it, in A
+        assert len(server.raw().keys("tc:*")) == 10     # its own two records, in the store
+        r = run_engine(b.socket_path, "read", 8000, 48)
+        assert r["ok"] and r["cached"] == 0     # nothing below them is reachable
+    finally:
+        a.stop()
+        b.stop()

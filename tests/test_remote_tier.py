@@ -97,6 +97,23 @@ def test_a_second_cache_loads_what_the_first_put(flushed):
     b.shutdown()
 
 
+def test_invalidate_deletes_the_prefix_from_the_store(flushed):
+    a = remote_cache(flushed.url)
+    ps = [prompt(i) for i in range(12)]
+    publish(a, ps)
+    before = flushed.raw().dbsize()
+    assert before > 0
+    a.invalidate(ps[0][:2 * BS])                   # the first two blocks of prompt 0
+    assert flushed.raw().dbsize() == before - 2
+    b = remote_cache(flushed.url)
+    # Prompt 0 is gone for everyone (its third block is unreachable below the deleted two);
+    # the others are still shared.
+    assert serve(b, ps[0]).get("remote", 0) == 0
+    assert serve(b, ps[5]).get("remote", 0) > 0
+    a.shutdown()
+    b.shutdown()
+
+
 def test_write_off_only_reads(flushed):
     ro = remote_cache(flushed.url, write="off")
     ps = [prompt(i) for i in range(12)]

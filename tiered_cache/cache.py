@@ -523,6 +523,9 @@ class TieredKVCache:
         if self.config.tiers.daemon is not None:
             root, _ = self.index.register_root(salt, adapter_id)
             n += self.stores[0].invalidate(root, tokens)
+        elif self.config.tiers.remote is not None:
+            root, _ = self.index.register_root(salt, adapter_id)
+            shared_tiers.forget_remote(self.stores[0], self.hasher, root, tokens)
         return n
 
     def stats(self) -> dict:

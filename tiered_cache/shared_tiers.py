@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.keyed import leading
 from tiered_cache.core.sequence import Sequence
@@ -155,6 +157,20 @@ def _load_remote(cache, seq: Sequence) -> None:
         if cache.index.extend(seq, k, keys[:r], cache._promote):
             return
 
+
+
+def forget_remote(store, hasher, root: bytes, tokens) -> int:
+    """`invalidate` in a remote store: delete the records of the prefix's own blocks. What was
+    cached below them there becomes unreachable (a lookup stops at the first missing key) and
+    leaves by the server's eviction. Best effort: a dead server deletes nothing, and a put
+    already queued may land after the delete."""
+    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+    nbytes = hasher.namespace.block_size * 4
+    keys, key = [], root
+    for off in range(0, len(data) // nbytes * nbytes, nbytes):
+        key = hasher.key(key, data[off:off + nbytes])
+        keys.append(key)
+    return store.store.delete(root, keys) if keys else 0
 
 
 def daemon_stats(daemon, out: dict) -> None:

@@ -338,7 +338,12 @@ class Partition:
         root_id = self._root_id(root)
         with self._lock:
             _, salt, adapter = next(v for v in self._roots.values() if v[0] == root_id)
-        return self.index.invalidate(tokens, salt=salt, adapter_id=adapter)
+        n = self.index.invalidate(tokens, salt=salt, adapter_id=adapter)
+        if self.remote is not None:
+            from tiered_cache.shared_tiers import forget_remote
+
+            forget_remote(self.remote, self.hasher, root, tokens)
+        return n
 
     # data plane hooks -------------------------------------------------------------------------
 
