@@ -551,15 +551,17 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         blocks = seq.blocks
         if blocks:
             # Leaf first, so ties in recency evict the deepest block of a chain first.
-            ids = np.asarray(blocks[::-1], dtype=np.intp)
+            ids = np.asarray(blocks, dtype=np.intp)[::-1]
             published = t.view("published")
             pub = published[ids]
-            t.view("last_access")[ids if np.count_nonzero(pub) == len(ids) else
-                                  ids[pub != 0]] = self.clock
+            every = np.count_nonzero(pub) == len(ids)
+            t.view("last_access")[ids if every else ids[pub != 0]] = self.clock
             if seq.registered or seq.waiters:
                 self._close_inflight(seq)
             zero = self._unpin_ids(ids)
-            if len(zero):
+            # NOTE: only a private block is released here; with every block published (a
+            # hit's close) there is none to look for.
+            if len(zero) and not every:
                 # NOTE: releasing a private block changes no other block's key or flight.
                 private = published[zero] == 0
                 if np.count_nonzero(private):
@@ -702,7 +704,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if not matched:
             return matched, _NO_IDS
         ids = np.asarray(matched, dtype=np.intp)
-        good = self._verified(seq, matched, ids)
+        good = self._verified(seq, matched, ids, data)
         if good < len(matched):
             seq.collided = True     # counted only if the open succeeds
             del matched[good:]
@@ -710,22 +712,27 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             ids = ids[:good]
         return matched, ids
 
-    def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray) -> int:
+    def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray,
+                  data: bytes | None = None) -> int:
         """How many leading blocks of a key match really are the request's: each one's parent
         is the block before it (the first a root of this namespace and salt) and, with
-        verify_tokens, its stored token ids equal the request's."""
+        verify_tokens, its stored token ids equal the request's. `data`: the request's token
+        ids as int32 bytes (at least the matched blocks'), if the caller has them."""
         t = self.blocks
         n = len(matched)
         bs = self.block_size
         parents = t.view("parent")[ids].astype(np.intp)
         stored = t.tokens[ids] if self.verify_tokens else None
-        want = seq.token_ids[:n * bs]
+        if data is None:
+            data = seq.token_ids[:n * bs].tobytes()
         # NOTE: whole-chain byte comparisons first: one call each where the match is good
-        # (nearly always); the per-block search below only runs on a collision.
+        # (nearly always); the per-block search below only runs on a collision. The stored
+        # rows are int32, as `data` is: equal bytes are equal token ids.
         if (parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
                 and parents[1:].tobytes() == ids[:-1].tobytes()
-                and (stored is None or stored.tobytes() == want.tobytes())):
+                and (stored is None or stored.tobytes() == data[:n * bs * 4])):
             return n
+        want = seq.token_ids[:n * bs]
         ok = np.empty(n, dtype=bool)
         ok[0] = parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
         np.equal(parents[1:], ids[:-1], out=ok[1:])
