@@ -439,6 +439,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         for keyed in self.keyed:
             by_tier[keyed.name] = 0
         seq.blocks = matched
+        seq.match_ids = survey.ids
         seq.chain = matched[-1] if matched else NO_BLOCK
         seq.num_published = len(matched)
         if shared:
@@ -551,7 +552,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         blocks = seq.blocks
         if blocks:
             # Leaf first, so ties in recency evict the deepest block of a chain first.
-            ids = np.asarray(blocks, dtype=np.intp)[::-1]
+            ids = seq.match_ids
+            if len(ids) != len(blocks):
+                ids = np.asarray(blocks, dtype=np.intp)
+            ids = ids[::-1]
             published = t.view("published")
             pub = published[ids]
             every = np.count_nonzero(pub) == len(ids)
@@ -570,6 +574,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         elif seq.registered or seq.waiters:
             self._close_inflight(seq)
         seq.blocks = []
+        seq.match_ids = _NO_IDS
         seq.closed = True
         del self._open[seq.id]
 
