@@ -43,7 +43,7 @@ import numpy as np
 from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import _NO_IDS, BatchOps
-from tiered_cache.core.blocks import _VECTOR_MIN, NO_BLOCK, NO_SLOT, BlockTable
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
 from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedOps
@@ -766,8 +766,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             # NOTE: under blocks another sequence is still computing (core/inflight.py): wait
             # for it to publish them (it publishes ours then), or stay private if it never does.
             return []
-        for i in range(len(keys), ready):
-            keys.append(h((keys[-1] if i else seq.root) + data[i * nbytes:(i + 1) * nbytes]))
+        key, add_key = (keys[-1] if keys else seq.root), keys.append
+        for off in range(len(keys) * nbytes, ready * nbytes, nbytes):
+            key = h(key + data[off:off + nbytes])
+            add_key(key)
         parent = seq.chain if first else NO_BLOCK
         if ready - first >= 2 and parent != BROKEN and (parent == NO_BLOCK
                                                          or key_of[parent] is not None):
@@ -886,14 +888,14 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             return
         t = self.blocks
         tier = self.tiers[GPU]
-        ids = t.new_run(len(seq.blocks), len(slots), 1)
-        if len(ids) < _VECTOR_MIN:
+        ids, at = t.new_run_ids(len(seq.blocks), len(slots), 1)
+        if at is None:
             dev, owner = self._slots[GPU], tier.owner
             for b, slot in zip(ids, slots):
                 dev[b] = slot
                 owner[slot] = b
         else:
-            at, where = np.asarray(ids, dtype=np.int32), np.asarray(slots, dtype=np.intp)
+            where = np.asarray(slots, dtype=np.intp)
             t.view("slots", GPU)[at] = where
             # NOTE: a view of the owner map only for this call: the map grows with the tier
             # (an array cannot be resized while a view of it lives).
