@@ -74,6 +74,8 @@ class InstrumentedLock(TimedLock):
 
     def __init__(self) -> None:
         super().__init__()
+        # NOTE: its own per-thread state (TimedLock keeps only the holder's depth, on itself).
+        self._local = threading.local()
         self.wall: dict[str, HoldStats] = {}
         self.cpu: dict[str, HoldStats] = {}
         self.wait: dict[str, HoldStats] = {}      # time to acquire (outermost holds)

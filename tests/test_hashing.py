@@ -184,6 +184,23 @@ def test_token_forms_accepted(good):
     assert arr.tolist() == [int(x) for x in list(good)]
 
 
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                   np.uint32, np.uint64])
+def test_token_range_check_of_every_integer_dtype(dtype):
+    """The range check takes one reduction where the dtype allows (hashing._out_of_range):
+    every dtype still rejects exactly the ids outside [0, 2**31), naming the first one."""
+    info = np.iinfo(dtype)
+    good = np.array([0, 1, min(info.max, 2**31 - 1)], dtype=dtype)
+    assert as_token_array(good).tolist() == [int(x) for x in good]
+    bad = [v for v in (-1, info.min, 2**31, info.max) if info.min <= v <= info.max
+           and not 0 <= v < 2**31]
+    for v in bad:
+        arr = np.array([3, v, 4, v], dtype=dtype)
+        with pytest.raises(TokenError, match=rf"token_ids\[1\]: .*got {v}$"):
+            as_token_array(arr)
+
+
 # ---------------------------------------------------------------------------- weak hashes
 
 

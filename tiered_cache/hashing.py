@@ -160,6 +160,16 @@ def tenant_salt(tenant: bytes, salt: str | bytes | None) -> str | bytes | None:
     return b"tenant\0" + len(tenant).to_bytes(4, "little") + tenant + own
 
 
+def _out_of_range(arr: np.ndarray) -> bool:
+    """Whether a non-empty integer array holds an id outside [0, MAX_TOKEN_ID].
+
+    NOTE: one reduction where possible (the check runs on every open): a signed type of at
+    most 4 bytes cannot exceed MAX_TOKEN_ID (2**31 - 1), and an unsigned one cannot be < 0."""
+    if arr.dtype.kind == "i":
+        return bool(arr.min() < 0) or (arr.dtype.itemsize > 4 and bool(arr.max() > MAX_TOKEN_ID))
+    return arr.dtype.itemsize >= 4 and bool(arr.max() > MAX_TOKEN_ID)
+
+
 def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:
     """Validate token ids and return them as a 1-D int32 array.
 
@@ -193,7 +203,7 @@ def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:
         raise TokenError(f"{what}: expected a 1-D sequence, got shape {tuple(arr.shape)}")
     if arr.dtype.kind not in "iu":
         raise TokenError(f"{what}: expected integer token ids, got dtype {arr.dtype}")
-    if arr.size:
+    if arr.size and _out_of_range(arr):
         bad = np.flatnonzero((arr < 0) | (arr > MAX_TOKEN_ID))
         if bad.size:
             i = int(bad[0])

@@ -50,22 +50,30 @@ class HoldStats:
 
 
 class TimedLock:
+    """A re-entrant lock whose outermost holds are timed.
+
+    NOTE: the nesting depth and the start of the outermost hold are plain attributes, not
+    thread-locals: only the thread holding the lock reads or writes them (set after acquire,
+    back to 0 before release), so the lock itself guards them.
+    """
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._local = threading.local()
+        self._depth = 0
+        self._t0 = 0.0
         self.holds = HoldStats()
 
     def __enter__(self) -> TimedLock:
         self._lock.acquire()
-        depth = getattr(self._local, "depth", 0)
+        depth = self._depth
         if depth == 0:
-            self._local.t0 = time.perf_counter()
-        self._local.depth = depth + 1
+            self._t0 = time.perf_counter()
+        self._depth = depth + 1
         return self
 
     def __exit__(self, *exc) -> None:
-        depth = self._local.depth - 1
-        self._local.depth = depth
+        depth = self._depth - 1
+        self._depth = depth
         if depth == 0:
-            self.holds.observe(time.perf_counter() - self._local.t0)
+            self.holds.observe(time.perf_counter() - self._t0)
         self._lock.release()

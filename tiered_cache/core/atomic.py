@@ -73,7 +73,7 @@ class _Section:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _local.depth = _depth() + 1
+        _local.depth = getattr(_local, "depth", 0) + 1     # (`_depth()`, inlined: hot)
 
     def __exit__(self, *exc) -> None:
         global _pending

@@ -24,7 +24,7 @@ class Survey:
 
     ids: np.ndarray                 # the chain's block ids (intp)
     copies: list[np.ndarray]        # per tier: has a copy there (before any promotion)
-    unpinned: np.ndarray            # ref_count == 0 before the open
+    unpinned: np.ndarray | None     # ref_count == 0 before the open (None: all of them)
     promote: list[int]              # blocks with no device copy
     pinning: int                    # unpinned blocks with a device copy (room they take)
     refs: np.ndarray                # ref_count before the open
@@ -45,16 +45,19 @@ class BatchOps:
         n = len(ids)
         copies = [t.view("slots", i)[ids] != NO_SLOT for i in range(len(self.tiers))]
         refs = t.view("ref_count")[ids]
-        unpinned = refs == 0
+        pinned = int(np.count_nonzero(refs))
+        # NOTE: no mask for a chain no other sequence pins (nearly always): each numpy call
+        # costs about a microsecond here, as much as the hashing of a few blocks.
+        unpinned = None if pinned == 0 else refs == 0
         on_dev = copies[0]
         # NOTE: count_nonzero rather than .all()/.any() here and below: a numpy reduction
         # costs several times a count on a chain of a few dozen blocks.
         if np.count_nonzero(on_dev) == n:
             promote: list[int] = []
-            pinning = n - int(np.count_nonzero(refs))
+            pinning = n - pinned
         else:
             promote = ids[~on_dev].tolist()
-            pinning = int(np.count_nonzero(unpinned & on_dev))
+            pinning = int(np.count_nonzero(on_dev if unpinned is None else unpinned & on_dev))
         return Survey(ids, copies, unpinned, promote, pinning, refs)
 
     def _pin_all(self, s: Survey) -> None:
@@ -67,10 +70,11 @@ class BatchOps:
         first = s.unpinned
         self.tiers[0].pinned_blocks += s.pinning    # unpinned with a device copy, counted
         for tier, has in zip(self.tiers[1:], s.copies[1:]):
-            tier.pinned_blocks += int(np.count_nonzero(has & first))
+            tier.pinned_blocks += int(np.count_nonzero(has if first is None else has & first))
         cand = t.view("candidate")[ids]
         if np.count_nonzero(cand):
-            for b in ids[first & (cand != 0)].tolist():
+            was = cand != 0
+            for b in ids[was if first is None else first & was].tolist():
                 self._refresh(b)
 
     def _unpin_survey(self, s: Survey) -> None:
@@ -90,9 +94,10 @@ class BatchOps:
         ref = t.view("ref_count")
         left = ref[ids] - 1
         ref[ids] = left
-        if np.count_nonzero(left) == len(left):
+        still = np.count_nonzero(left)
+        if still == len(left):
             return _NO_IDS
-        zero = ids[left == 0]
+        zero = ids if still == 0 else ids[left == 0]
         # Unpinning can only make a block a candidate, and only of a tier where it has a
         # copy and no child with one: find those, and let _refresh decide.
         maybe = None

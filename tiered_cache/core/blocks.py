@@ -99,6 +99,11 @@ class BlockTable:
     def new_run(self, depth: int, n: int, ref_count: int = 0) -> list[int]:
         """n fresh private blocks at depths depth, depth + 1, ...: the ids n calls of `new`
         would return, set up in one pass (vectorised for long runs: a prompt's new blocks)."""
+        return self.new_run_ids(depth, n, ref_count)[0]
+
+    def new_run_ids(self, depth: int, n: int,
+                    ref_count: int = 0) -> tuple[list[int], np.ndarray | None]:
+        """`new_run`, and the ids as an intp array where it made one (n >= _VECTOR_MIN)."""
         free = self._free
         while len(free) < n:
             self.grow(2 * self.capacity)
@@ -119,7 +124,7 @@ class BlockTable:
                 key[b] = None
                 pub[b] = 0
                 st[b] = 0
-            return ids
+            return ids, None
         at = np.asarray(ids, dtype=np.intp)
         self.view("depth")[at] = np.arange(depth, depth + n, dtype=np.int32)
         self.view("ref_count")[at] = ref_count
@@ -129,7 +134,7 @@ class BlockTable:
         self.view("stored")[at] = 0
         for b in ids:
             key[b] = None
-        return ids
+        return ids, at
 
     def free(self, b: int) -> None:
         """Return row b for reuse. The caller has cleared it: no copy, unpublished, unpinned,

@@ -43,7 +43,7 @@ import numpy as np
 from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import _NO_IDS, BatchOps
-from tiered_cache.core.blocks import _VECTOR_MIN, NO_BLOCK, NO_SLOT, BlockTable
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.eviction import Eviction
 from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedOps
@@ -439,6 +439,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         for keyed in self.keyed:
             by_tier[keyed.name] = 0
         seq.blocks = matched
+        seq.match_ids = survey.ids
         seq.chain = matched[-1] if matched else NO_BLOCK
         seq.num_published = len(matched)
         if shared:
@@ -551,15 +552,20 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         blocks = seq.blocks
         if blocks:
             # Leaf first, so ties in recency evict the deepest block of a chain first.
-            ids = np.asarray(blocks[::-1], dtype=np.intp)
+            ids = seq.match_ids
+            if len(ids) != len(blocks):
+                ids = np.asarray(blocks, dtype=np.intp)
+            ids = ids[::-1]
             published = t.view("published")
             pub = published[ids]
-            t.view("last_access")[ids if np.count_nonzero(pub) == len(ids) else
-                                  ids[pub != 0]] = self.clock
+            every = np.count_nonzero(pub) == len(ids)
+            t.view("last_access")[ids if every else ids[pub != 0]] = self.clock
             if seq.registered or seq.waiters:
                 self._close_inflight(seq)
             zero = self._unpin_ids(ids)
-            if len(zero):
+            # NOTE: only a private block is released here; with every block published (a
+            # hit's close) there is none to look for.
+            if len(zero) and not every:
                 # NOTE: releasing a private block changes no other block's key or flight.
                 private = published[zero] == 0
                 if np.count_nonzero(private):
@@ -568,6 +574,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         elif seq.registered or seq.waiters:
             self._close_inflight(seq)
         seq.blocks = []
+        seq.match_ids = _NO_IDS
         seq.closed = True
         del self._open[seq.id]
 
@@ -702,7 +709,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if not matched:
             return matched, _NO_IDS
         ids = np.asarray(matched, dtype=np.intp)
-        good = self._verified(seq, matched, ids)
+        good = self._verified(seq, matched, ids, data)
         if good < len(matched):
             seq.collided = True     # counted only if the open succeeds
             del matched[good:]
@@ -710,22 +717,27 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             ids = ids[:good]
         return matched, ids
 
-    def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray) -> int:
+    def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray,
+                  data: bytes | None = None) -> int:
         """How many leading blocks of a key match really are the request's: each one's parent
         is the block before it (the first a root of this namespace and salt) and, with
-        verify_tokens, its stored token ids equal the request's."""
+        verify_tokens, its stored token ids equal the request's. `data`: the request's token
+        ids as int32 bytes (at least the matched blocks'), if the caller has them."""
         t = self.blocks
         n = len(matched)
         bs = self.block_size
         parents = t.view("parent")[ids].astype(np.intp)
         stored = t.tokens[ids] if self.verify_tokens else None
-        want = seq.token_ids[:n * bs]
+        if data is None:
+            data = seq.token_ids[:n * bs].tobytes()
         # NOTE: whole-chain byte comparisons first: one call each where the match is good
-        # (nearly always); the per-block search below only runs on a collision.
+        # (nearly always); the per-block search below only runs on a collision. The stored
+        # rows are int32, as `data` is: equal bytes are equal token ids.
         if (parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
                 and parents[1:].tobytes() == ids[:-1].tobytes()
-                and (stored is None or stored.tobytes() == want.tobytes())):
+                and (stored is None or stored.tobytes() == data[:n * bs * 4])):
             return n
+        want = seq.token_ids[:n * bs]
         ok = np.empty(n, dtype=bool)
         ok[0] = parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
         np.equal(parents[1:], ids[:-1], out=ok[1:])
@@ -754,8 +766,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             # NOTE: under blocks another sequence is still computing (core/inflight.py): wait
             # for it to publish them (it publishes ours then), or stay private if it never does.
             return []
-        for i in range(len(keys), ready):
-            keys.append(h((keys[-1] if i else seq.root) + data[i * nbytes:(i + 1) * nbytes]))
+        key, add_key = (keys[-1] if keys else seq.root), keys.append
+        for off in range(len(keys) * nbytes, ready * nbytes, nbytes):
+            key = h(key + data[off:off + nbytes])
+            add_key(key)
         parent = seq.chain if first else NO_BLOCK
         if ready - first >= 2 and parent != BROKEN and (parent == NO_BLOCK
                                                          or key_of[parent] is not None):
@@ -874,14 +888,14 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             return
         t = self.blocks
         tier = self.tiers[GPU]
-        ids = t.new_run(len(seq.blocks), len(slots), 1)
-        if len(ids) < _VECTOR_MIN:
+        ids, at = t.new_run_ids(len(seq.blocks), len(slots), 1)
+        if at is None:
             dev, owner = self._slots[GPU], tier.owner
             for b, slot in zip(ids, slots):
                 dev[b] = slot
                 owner[slot] = b
         else:
-            at, where = np.asarray(ids, dtype=np.int32), np.asarray(slots, dtype=np.intp)
+            where = np.asarray(slots, dtype=np.intp)
             t.view("slots", GPU)[at] = where
             # NOTE: a view of the owner map only for this call: the map grows with the tier
             # (an array cannot be resized while a view of it lives).

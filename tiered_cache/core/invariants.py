@@ -31,6 +31,10 @@ def check_invariants(target) -> None:
         refs: Counter[int] = Counter()
         for seq in idx.open_sequences():
             failed = any(r.error is not None for r in seq.pending)
+            head = seq.match_ids.tolist()
+            if seq.blocks[:len(head)] != head:
+                _fail(f"open sequence {seq.id}: blocks {seq.blocks[:len(head)]} no longer "
+                      f"start with the ids its open matched ({head})")
             for b in seq.blocks:
                 if b not in live_set:
                     _fail(f"open sequence {seq.id} holds freed block {b}")

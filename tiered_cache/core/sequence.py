@@ -16,6 +16,8 @@ from tiered_cache.core.blocks import NO_BLOCK
 
 _ids = itertools.count()
 
+_NO_IDS = np.zeros(0, dtype=np.intp)
+
 BROKEN = -2
 """`Sequence.chain` once a block could not be published: the rest of the sequence stays private."""
 
@@ -35,10 +37,16 @@ class Sequence:
         self.root_id = root_id                  # id of that namespace + salt (see hashing.root)
         self.salt = salt
         self.adapter_id = adapter_id
-        self._tokens = np.empty(max(len(tokens), 16), dtype=np.int32)
-        self._tokens[:len(tokens)] = tokens
+        if len(tokens) >= 16:
+            self._tokens = np.array(tokens, dtype=np.int32)     # a copy, in one call
+        else:
+            self._tokens = np.empty(16, dtype=np.int32)     # room to append into
+            self._tokens[:len(tokens)] = tokens
         self.num_tokens = len(tokens)
         self.blocks: list[int] = []             # block ids; written only by the BlockIndex
+        # NOTE: `open` matched blocks[:len(match_ids)], as an intp array (close reuses it).
+        # Never rewritten: blocks only ever change after the ones `open` counted published.
+        self.match_ids: np.ndarray = _NO_IDS
         self.keys: list[bytes] = []             # chained keys of the leading full blocks
         self.num_cached_tokens = 0
         self.cached_tokens_by_tier: dict[str, int] = {}
