@@ -114,3 +114,14 @@ def test_policy_eval_quick(tmp_path):
     assert data["best_single"] not in ("adaptive", "belady")
     for r in data["speed"]:
         assert _positive(r["block_ops_per_s"]) and _positive(r["x_lru"])
+
+
+def test_daemon_remote_quick(tmp_path):
+    import tests.redis_servers as rs
+
+    rs.require()
+    data, out = run_bench("daemon_remote", tmp_path, "--blocks", "8", timeout=180)
+    assert data["benchmark"] == "daemon_remote" and data["kv_checked"] is True
+    assert data["remote_b"]["loaded_blocks"] == 3 * 8 and data["remote_b"]["load_failures"] == 0
+    assert all(_positive(r["p50_ms"]) for r in data["rows"])
+    assert "cold (from the store)" in out
