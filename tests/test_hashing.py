@@ -349,3 +349,16 @@ def test_weak_hash_write_through_and_eviction():
             data[key] = k_all
         cache.close(s)
         check_invariants(cache)
+
+
+def test_chain_is_the_keys_of_the_whole_blocks_one_after_another():
+    h = BlockHasher(Namespace("m", "float16", 2, 2, 8, 4, None))
+    root, _ = h.root(None)
+    tokens = np.arange(10, 10 + 4 * 3 + 2, dtype=np.int64)     # 3 whole blocks and a tail
+    keys, key = [], root
+    for i in range(3):
+        key = h.key(key, tokens[4 * i:4 * i + 4].astype(np.int32).tobytes())
+        keys.append(key)
+    assert h.chain(root, tokens) == keys                        # int64 ids as int32 ones
+    assert h.chain(keys[0], tokens[4:]) == keys[1:]
+    assert h.chain(root, tokens[:3]) == []

@@ -525,7 +525,7 @@ class TieredKVCache:
             n += self.stores[0].invalidate(root, tokens)
         elif self.config.tiers.remote is not None:
             root, _ = self.index.register_root(salt, adapter_id)
-            shared_tiers.forget_remote(self.stores[0], self.hasher, root, tokens)
+            self.stores[0].delete(root, self.hasher.chain(root, tokens))
         return n
 
     def stats(self) -> dict:

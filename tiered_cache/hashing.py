@@ -148,6 +148,17 @@ class BlockHasher:
     def key(self, parent: bytes, token_bytes: bytes) -> bytes:
         return self.hash_fn(parent + token_bytes)
 
+    def chain(self, parent: bytes, tokens: np.ndarray) -> list[bytes]:
+        """Chained keys of the whole blocks of `tokens` (token ids) after the block keyed
+        `parent` (a root key: from the start of a prompt)."""
+        data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
+        nbytes = 4 * self.namespace.block_size
+        h, key, keys = self.hash_fn, parent, []
+        for off in range(0, len(data) - nbytes + 1, nbytes):
+            key = h(key + data[off:off + nbytes])
+            keys.append(key)
+        return keys
+
 
 def tenant_salt(tenant: bytes, salt: str | bytes | None) -> str | bytes | None:
     """The salt a root is keyed by when a node daemon assigned the tenant `tenant`: the

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.keyed import leading
 from tiered_cache.core.sequence import Sequence
@@ -75,13 +73,8 @@ def note_open(cache, seq: Sequence) -> None:
 
 
 def _chain(cache, seq: Sequence, m: int, last: bytes, n: int) -> list[bytes]:
-    data = seq.token_ids.tobytes()
-    nbytes = cache.block_size * 4
-    keys, key = [], last
-    for i in range(m, m + n):
-        key = cache.hasher.key(key, data[i * nbytes:(i + 1) * nbytes])
-        keys.append(key)
-    return keys
+    bs = cache.block_size
+    return cache.hasher.chain(last, seq.token_ids[m * bs:(m + n) * bs])
 
 
 def _load_daemon(cache, seq: Sequence) -> None:
@@ -157,20 +150,6 @@ def _load_remote(cache, seq: Sequence) -> None:
         if cache.index.extend(seq, k, keys[:r], cache._promote):
             return
 
-
-
-def forget_remote(store, hasher, root: bytes, tokens) -> int:
-    """`invalidate` in a remote store: delete the records of the prefix's own blocks. What was
-    cached below them there becomes unreachable (a lookup stops at the first missing key) and
-    leaves by the server's eviction. Best effort: a dead server deletes nothing, and a put
-    already queued may land after the delete."""
-    data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
-    nbytes = hasher.namespace.block_size * 4
-    keys, key = [], root
-    for off in range(0, len(data) // nbytes * nbytes, nbytes):
-        key = hasher.key(key, data[off:off + nbytes])
-        keys.append(key)
-    return store.store.delete(root, keys) if keys else 0
 
 
 def daemon_stats(daemon, out: dict) -> None:

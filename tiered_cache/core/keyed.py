@@ -107,15 +107,12 @@ class KeyedOps:
                 parent, key = prefix.get(parent_key, NO_BLOCK), parent_key
                 if parent == NO_BLOCK or t.root_id[parent] != seq.root_id:
                     return 0
-            data = np.ascontiguousarray(tokens, dtype=np.int32).tobytes()
-            nbytes, n = 4 * bs, 0
-            limit = min(len(keys), len(data) // nbytes, self.room(DEVICE))
-            while n < limit:
-                # NOTE: the keys are the caller's; each is checked against its tokens so that
-                # no key can be published over another block's tokens.
-                key = self.hasher.key(key, data[n * nbytes:(n + 1) * nbytes])
-                if key != keys[n] or key in prefix:
-                    break
+            limit = min(len(keys), self.room(DEVICE))
+            # NOTE: the keys are the caller's; each is checked against its tokens so that no
+            # key can be published over another block's tokens.
+            mine = self.hasher.chain(key, tokens[:limit * bs])
+            n = 0
+            while n < len(mine) and mine[n] == keys[n] and mine[n] not in prefix:
                 n += 1
             if not n:
                 return 0
@@ -132,7 +129,7 @@ class KeyedOps:
                 owner[slot] = b
                 seq.blocks.append(b)
             self.tiers[DEVICE].pinned_blocks += n
-            seq.extend(np.frombuffer(data[:n * nbytes], dtype=np.int32))
+            seq.extend(np.asarray(tokens[:n * bs], dtype=np.int32))
             self._begin_load(seq, keyed, m, parent, keys[:n], promote, [], None, 0)
             return n
 

@@ -255,14 +255,9 @@ class Partition:
         bs = self.block_size
         m = len(seq.blocks)
         rest = tokens[m * bs:(m + self.lookahead) * bs]
-        if not len(rest):
+        keys = self.hasher.chain(seq.keys[m - 1] if m else parent, rest)
+        if not keys:
             return
-        data = np.ascontiguousarray(rest, dtype=np.int32).tobytes()
-        key = seq.keys[m - 1] if m else parent
-        keys = []
-        for off in range(0, len(data), 4 * bs):
-            key = self.hasher.key(key, data[off:off + 4 * bs])
-            keys.append(key)
         # NOTE: asked even while the store's breaker is open: it answers "absent" at once
         # then, and lets one probe through after each backoff, which is how it comes back.
         r = leading(self.remote.exists(root, keys, self.lookup_deadline_s))
@@ -340,9 +335,7 @@ class Partition:
             _, salt, adapter = next(v for v in self._roots.values() if v[0] == root_id)
         n = self.index.invalidate(tokens, salt=salt, adapter_id=adapter)
         if self.remote is not None:
-            from tiered_cache.shared_tiers import forget_remote
-
-            forget_remote(self.remote, self.hasher, root, tokens)
+            self.remote.delete(root, self.hasher.chain(root, tokens))
         return n
 
     # data plane hooks -------------------------------------------------------------------------

@@ -86,6 +86,13 @@ class RemoteTier:
     def exists(self, root: bytes, keys: list[bytes], deadline_s: float) -> list[bool]:
         return self.store.exists(root, keys, deadline_s)
 
+    def delete(self, root: bytes, keys: list[bytes]) -> int:
+        """`invalidate` here: delete the records of these blocks (a prefix's own). What was
+        stored below them becomes unreachable (a lookup stops at the first missing key) and
+        leaves by the server's eviction. Best effort: a dead server deletes nothing, and a put
+        already queued may land after the delete."""
+        return self.store.delete(root, keys) if keys else 0
+
     def flush(self, timeout_s: float) -> None:
         """Wait up to `timeout_s` for the background writer's queue to empty."""
         self.store.flush(timeout_s)
