@@ -105,13 +105,14 @@ def needs_promotion(cache: TieredKVCache, token_ids, salt=None) -> bool:
         return any(t.slots[0][b] == -1 and t.slots[1][b] >= 0 for b in ids)
 
 
-def wait_for(cond, what: str, timeout: float = 20.0) -> None:
-    """Poll `cond()` until it holds; fail after `timeout` seconds (a bound, not a measure)."""
+def wait_for(cond, what: str, timeout: float = 20.0, interval: float = 0.002) -> None:
+    """Poll `cond()` every `interval` seconds until it holds; fail after `timeout` seconds (a
+    bound, not a measure)."""
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.002)
+        time.sleep(interval)
 
 
 __all__ = ["ATTENTION_TOL", "expected_attention", "lock_usable", "needs_promotion", "query",

@@ -9,16 +9,19 @@ position and layer, so every cached token read anywhere is checked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import tests.redis_servers as rs
+from tests.oracles import wait_for as _wait_for
 from tiered_cache.daemon.client import Client
 from tiered_cache.daemon.ops import make_protocol
 from tiered_cache.daemon.testing import NodeProcess
@@ -62,9 +65,22 @@ def daemon_config(tmp: Path, name: str, url: str, *, remote: str = "", daemon: s
     return cfg, sock
 
 
-def start(tmp: Path, name: str, url: str, **kw) -> NodeProcess:
-    cfg, sock = daemon_config(tmp, name, url, **kw)
-    return NodeProcess(cfg, sock, log_path=tmp / f"{name}.log").start()
+@contextlib.contextmanager
+def daemons(tmp: Path, url: str, names: str = "ab", **kw) -> Iterator[list[NodeProcess]]:
+    """One `tiered-cache serve` per name, all on the store at `url`; stopped on the way out."""
+    started: list[NodeProcess] = []
+    try:
+        for name in names:
+            cfg, sock = daemon_config(tmp, name, url, **kw)
+            started.append(NodeProcess(cfg, sock, log_path=tmp / f"{name}.log").start())
+        yield started
+    finally:
+        for d in started:
+            d.stop()
+
+
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    _wait_for(cond, what, timeout, interval=0.05)   # each poll asks a daemon over its socket
 
 
 def run_engine(sock: str, *args, gid: int | None = None) -> dict:
@@ -87,16 +103,6 @@ def partition(sock: str) -> dict:
         c.close()
 
 
-def wait_for(cond, what: str, timeout: float = 30.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def put_blocks(sock: str) -> int:
     return partition(sock)["tiers"]["remote"]["put_blocks"]
 
@@ -106,8 +112,7 @@ def put_blocks(sock: str) -> int:
 
 def test_two_daemons_share_prefixes_through_the_store_with_identical_data(tmp_path,
                                                                           redis_url):
-    a, b = start(tmp_path, "a", redis_url), start(tmp_path, "b", redis_url)
-    try:
+    with daemons(tmp_path, redis_url) as (a, b):
         w = run_engine(a.socket_path, "write", 5000, 96)
         assert w["ok"] and w["cached"] == 0 and w["published"] == 24, w
         wait_for(lambda: put_blocks(a.socket_path) == 24, "A's puts to reach the store")
@@ -130,16 +135,11 @@ def test_two_daemons_share_prefixes_through_the_store_with_identical_data(tmp_pa
         r3 = run_engine(a.socket_path, "read", 5000, 96 + 8)
         assert r3["ok"] and r3["cached"] == 104
         assert partition(a.socket_path)["daemon"]["remote_blocks"] == 2
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_tenants_stay_apart_in_the_store(tmp_path, redis_url):
     tenants = '  tenants: {"gid:0": "red", "gid:65534": "blue"}\n'
-    a = start(tmp_path, "a", redis_url, daemon=tenants)
-    b = start(tmp_path, "b", redis_url, daemon=tenants)
-    try:
+    with daemons(tmp_path, redis_url, daemon=tenants) as (a, b):
         w = run_engine(a.socket_path, "write", 7000, 64)                  # red, on node A
         assert w["daemon"]["tenant"] == "red" and w["published"] == 16
         wait_for(lambda: put_blocks(a.socket_path) == 16, "red's puts")
@@ -148,17 +148,13 @@ def test_tenants_stay_apart_in_the_store(tmp_path, redis_url):
         assert blue["ok"] and blue["cached"] == 0, blue
         red = run_engine(b.socket_path, "read", 7000, 64)                 # red, on node B
         assert red["ok"] and red["cached"] == 64, red
-    finally:
-        a.stop()
-        b.stop()
 
 
 # ------------------------------------------------------------------ faults
 
 
 def test_a_corrupt_value_in_the_store_is_a_miss_never_wrong_kv(tmp_path, server, redis_url):
-    a, b = start(tmp_path, "a", redis_url), start(tmp_path, "b", redis_url)
-    try:
+    with daemons(tmp_path, redis_url) as (a, b):
         run_engine(a.socket_path, "write", 3000, 48)
         wait_for(lambda: put_blocks(a.socket_path) == 12, "A's puts")
         raw = server.raw()
@@ -174,14 +170,10 @@ def test_a_corrupt_value_in_the_store_is_a_miss_never_wrong_kv(tmp_path, server,
         assert pb["tiers"]["remote"]["load_failures"] >= 1, pb["tiers"]["remote"]
         assert pb["tiers"]["remote"]["store"]["corrupt"] == 4
         assert r["cached"] < 48             # the corrupt blocks were not served
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_a_dead_store_costs_the_daemon_only_the_store(tmp_path, server, redis_url):
-    a = start(tmp_path, "a", redis_url)
-    try:
+    with daemons(tmp_path, redis_url, "a") as (a,):
         run_engine(a.socket_path, "write", 1000, 32)
         wait_for(lambda: put_blocks(a.socket_path) == 8, "A's puts")
         server.kill()                       # SIGKILL: the store vanishes mid-run
@@ -204,8 +196,6 @@ def test_a_dead_store_costs_the_daemon_only_the_store(tmp_path, server, redis_ur
                  >= 1, "the store to be taken back", 60)
         run_engine(a.socket_path, "write", 4400, 32)
         wait_for(lambda: len(server.raw().keys("tc:*")) >= 8, "puts after the restart", 60)
-    finally:
-        a.stop()
 
 
 def test_the_cost_model_skips_a_store_that_loses_to_recompute(tmp_path, redis_url):
@@ -213,9 +203,7 @@ def test_the_cost_model_skips_a_store_that_loses_to_recompute(tmp_path, redis_ur
     # from the store (prior 1 s of latency) far longer. B must not load, and say so.
     slow = ", latency_ms: 1000"
     size = ", num_params: 1000000"
-    a = start(tmp_path, "a", redis_url, remote=slow, model=size)
-    b = start(tmp_path, "b", redis_url, remote=slow, model=size)
-    try:
+    with daemons(tmp_path, redis_url, remote=slow, model=size) as (a, b):
         run_engine(a.socket_path, "write", 6000, 96)
         wait_for(lambda: put_blocks(a.socket_path) == 24, "A's puts")
         r = run_engine(b.socket_path, "read", 6000, 96)
@@ -223,16 +211,12 @@ def test_the_cost_model_skips_a_store_that_loses_to_recompute(tmp_path, redis_ur
         pb = partition(b.socket_path)
         assert pb["tiers"]["remote"]["skipped_loads"] >= 1
         assert pb["tiers"]["remote"]["loaded_blocks"] == 0
-    finally:
-        a.stop()
-        b.stop()
 
 
 def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, server, redis_url):
     import numpy as np
 
-    a, b = start(tmp_path, "a", redis_url), start(tmp_path, "b", redis_url)
-    try:
+    with daemons(tmp_path, redis_url) as (a, b):
         run_engine(a.socket_path, "write", 8000, 48)
         wait_for(lambda: put_blocks(a.socket_path) == 12, "A's puts")
         c = Client(a.socket_path, make_protocol(), timeout_s=10).connect()
@@ -246,6 +230,3 @@ def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, server, redis
         assert len(server.raw().keys("tc:*")) == 10     # its own two records, in the store
         r = run_engine(b.socket_path, "read", 8000, 48)
         assert r["ok"] and r["cached"] == 0     # nothing below them is reachable
-    finally:
-        a.stop()
-        b.stop()

@@ -46,24 +46,18 @@ class Promotions:
         self.plans.clear()
 
 
-def chain(index: BlockIndex, parent: bytes, tokens: np.ndarray) -> list[bytes]:
-    data, keys, key = tokens.astype(np.int32).tobytes(), [], parent
-    for off in range(0, len(data), 4 * BS):
-        key = index.hasher.key(key, data[off:off + 4 * BS])
-        keys.append(key)
-    return keys
-
-
-def hold(index: BlockIndex, root_id: int, parent: bytes, tokens: np.ndarray):
-    return index.open_blocks(root_id, parent, tokens)
+def setup(blocks: int, start: int = 0, **index_kw):
+    """An index, the root of salt "t" (key, id), `blocks` blocks of token ids from `start`, and
+    their chained keys from that root."""
+    idx = make_index(**index_kw)
+    root, rid = idx.register_root(b"t")
+    tokens = np.arange(start, start + blocks * BS, dtype=np.int32)
+    return idx, root, rid, tokens, idx.hasher.chain(root, tokens)
 
 
 def test_loads_into_the_hold_and_later_holds_find_them():
-    idx = make_index()
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(100, 100 + 5 * BS, dtype=np.int32)
-    keys = chain(idx, root, tokens)
-    seq = hold(idx, rid, root, tokens)
+    idx, root, rid, tokens, keys = setup(5, 100)
+    seq = idx.open_blocks(rid, root, tokens)
     assert seq.blocks == []
     promote = Promotions()
     assert idx.load_after(seq, REMOTE, root, tokens, keys, promote) == 5
@@ -77,27 +71,24 @@ def test_loads_into_the_hold_and_later_holds_find_them():
     check_invariants(idx)
     assert idx.stats()["tiers"]["remote"]["loaded_blocks"] == 5
     # Published: the next hold finds all five locally, after the root or after block 2.
-    again = hold(idx, rid, root, tokens)
+    again = idx.open_blocks(rid, root, tokens)
     assert len(again.blocks) == 5
     idx.close(again)
-    tail = hold(idx, rid, keys[1], tokens[2 * BS:])
+    tail = idx.open_blocks(rid, keys[1], tokens[2 * BS:])
     assert len(tail.blocks) == 3
     idx.close(tail)
     check_invariants(idx)
 
 
 def test_continues_a_local_match_with_the_right_depths_and_parents():
-    idx = make_index()
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 6 * BS, dtype=np.int32)
-    keys = chain(idx, root, tokens)
-    first = hold(idx, rid, root, tokens[:2 * BS])
+    idx, root, rid, tokens, keys = setup(6)
+    first = idx.open_blocks(rid, root, tokens[:2 * BS])
     promote = Promotions()
     idx.load_after(first, REMOTE, root, tokens[:2 * BS], keys[:2], promote)
     promote.land(idx)
     idx.close(first)
     # Blocks 0-1 are local now; the hold after the root takes them and loads 2-5.
-    seq = hold(idx, rid, root, tokens)
+    seq = idx.open_blocks(rid, root, tokens)
     assert len(seq.blocks) == 2
     n = idx.load_after(seq, REMOTE, root, tokens[2 * BS:], keys[2:], promote)
     assert n == 4
@@ -107,35 +98,30 @@ def test_continues_a_local_match_with_the_right_depths_and_parents():
     promote.land(idx)
     idx.close(seq)
     check_invariants(idx)
-    whole = hold(idx, rid, root, tokens)
+    whole = idx.open_blocks(rid, root, tokens)
     assert len(whole.blocks) == 6
     idx.close(whole)
 
 
 def test_refuses_keys_that_are_not_the_chain_of_their_tokens():
-    idx = make_index()
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 4 * BS, dtype=np.int32)
-    keys = chain(idx, root, tokens)
+    idx, root, rid, tokens, keys = setup(4)
     keys[2] = b"\x00" * 16                          # another block's key
-    seq = hold(idx, rid, root, tokens)
+    seq = idx.open_blocks(rid, root, tokens)
     assert idx.load_after(seq, REMOTE, root, tokens, keys, Promotions()) == 2
     idx.close(seq)
     # A root of another tenant cannot be continued: its parent key is not in this root.
     other_root, other_id = idx.register_root(b"u")
-    seq = hold(idx, other_id, other_root, tokens)
-    assert idx.load_after(seq, REMOTE, chain(idx, root, tokens[:BS])[0], tokens[BS:],
-                          chain(idx, root, tokens)[1:], Promotions()) == 0
+    seq = idx.open_blocks(other_id, other_root, tokens)
+    good = idx.hasher.chain(root, tokens)
+    assert idx.load_after(seq, REMOTE, good[0], tokens[BS:], good[1:], Promotions()) == 0
     idx.close(seq)
     check_invariants(idx)
 
 
 def test_takes_only_what_the_pool_has_room_for():
-    idx = make_index(slots=3)
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 8 * BS, dtype=np.int32)
-    seq = hold(idx, rid, root, tokens)
-    assert idx.load_after(seq, REMOTE, root, tokens, chain(idx, root, tokens),
+    idx, root, rid, tokens, keys = setup(8, slots=3)
+    seq = idx.open_blocks(rid, root, tokens)
+    assert idx.load_after(seq, REMOTE, root, tokens, keys,
                           Promotions()) == 3
     idx.close(seq)
     check_invariants(idx)
@@ -143,11 +129,10 @@ def test_takes_only_what_the_pool_has_room_for():
 
 def test_the_cost_model_can_veto_the_load():
     asked = []
-    idx = make_index(worth=lambda tier, n, context: asked.append((tier, n, context)) or False)
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 3 * BS, dtype=np.int32)
-    seq = hold(idx, rid, root, tokens)
-    assert idx.load_after(seq, REMOTE, root, tokens, chain(idx, root, tokens),
+    idx, root, rid, tokens, keys = setup(
+        3, worth=lambda tier, n, context: asked.append((tier, n, context)) or False)
+    seq = idx.open_blocks(rid, root, tokens)
+    assert idx.load_after(seq, REMOTE, root, tokens, keys,
                           Promotions()) == 0
     assert asked == [(1, 3, 0)]                     # keyed tier 0 is tier 1 of the index
     assert idx.stats()["tiers"]["remote"]["skipped_loads"] == 1
@@ -157,11 +142,8 @@ def test_the_cost_model_can_veto_the_load():
 
 
 def test_a_failed_load_leaves_nothing_published():
-    idx = make_index()
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 3 * BS, dtype=np.int32)
-    keys = chain(idx, root, tokens)
-    seq = hold(idx, rid, root, tokens)
+    idx, root, rid, tokens, keys = setup(3)
+    seq = idx.open_blocks(rid, root, tokens)
     promote = Promotions()
     idx.load_after(seq, REMOTE, root, tokens, keys, promote)
     promote.land(idx, ok=False)
@@ -173,11 +155,8 @@ def test_a_failed_load_leaves_nothing_published():
 
 
 def test_a_promote_that_raises_rolls_the_load_back():
-    idx = make_index()
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 3 * BS, dtype=np.int32)
-    keys = chain(idx, root, tokens)
-    seq = hold(idx, rid, root, tokens)
+    idx, root, rid, tokens, keys = setup(3)
+    seq = idx.open_blocks(rid, root, tokens)
 
     def boom(plan, readiness):
         raise RuntimeError("the copy queue is gone")
@@ -191,11 +170,8 @@ def test_a_promote_that_raises_rolls_the_load_back():
 
 
 def _attempt(k: int | None):
-    idx = make_index()
-    root, rid = idx.register_root(b"t")
-    tokens = np.arange(0, 4 * BS, dtype=np.int32)
-    keys = chain(idx, root, tokens)
-    seq = hold(idx, rid, root, tokens)
+    idx, root, rid, tokens, keys = setup(4)
+    seq = idx.open_blocks(rid, root, tokens)
     promote = Promotions()
     inj = Injector(k)
     n, interrupted = inj.run(lambda: idx.load_after(seq, REMOTE, root, tokens, keys, promote))
