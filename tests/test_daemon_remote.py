@@ -230,3 +230,12 @@ def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, server, redis
         assert len(server.raw().keys("tc:*")) == 10     # its own two records, in the store
         r = run_engine(b.socket_path, "read", 8000, 48)
         assert r["ok"] and r["cached"] == 0     # nothing below them is reachable
+
+
+def test_a_bad_remote_section_stops_the_daemon_in_one_line(tmp_path, redis_url):
+    cfg, _ = daemon_config(tmp_path, "a", redis_url, remote=", password_env: TC_NOT_SET_ANYWHERE")
+    env = {k: v for k, v in os.environ.items() if k != "TC_NOT_SET_ANYWHERE"}
+    p = subprocess.run([sys.executable, "-m", "tiered_cache", "serve", "--config", str(cfg)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "tiers.remote.password_env" in p.stderr and "Traceback" not in p.stderr
