@@ -7,6 +7,13 @@ a run of slots with a permuted strided copy. Here a numba parallel loop copies c
 straight from source to destination: one pass, every core, the GIL released, the same for runs
 and for scattered slots.
 
+NOTE: chunks move as 8-byte words (a numba slice assignment over uint64 views, which LLVM turns
+into a vectorised loop) whenever every offset and the chunk length are multiples of 8, as they
+are for any pool whose chunk is a multiple of 8 bytes. Measured on a 2-core AVX2 VM, 32 KiB
+chunks, two threads: 0.92-0.98 of torch's contiguous `copy_`, against 0.66-0.70 for a libc
+`memcpy` per chunk (which stays the fallback for odd sizes). Copies larger than the cache
+stream (non-temporal stores, see ``streaming.py``): 1.3x that `copy_` there.
+
 NOTE: numba's default threading layer (workqueue) must not be entered by two threads at once,
 and the migrator runs several copy workers, so calls are serialised by a lock. Each call
 already uses every core.
@@ -15,14 +22,47 @@ already uses every core.
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 
 import numpy as np
 import torch
 from numba import njit, prange
 
+from . import streaming
+from .streaming import copy_vectors
+
 _lock = threading.Lock()
 _SIGNATURE = "void(uint8[::1], uint8[::1], int64[::1], int64[::1], int64)"
+_WORDS = ("void(uint64[::1], uint64[::1], int64[::1], int64[::1], int64[::1], int64[::1], "
+          "int64[::1], int64, boolean, boolean)")
+
+
+@njit(_WORDS, parallel=True, nogil=True, cache=True)
+def _copy_words(src, dst, src_slots, dst_slots, layers, src_geo, dst_geo, words,
+                slot_major, stream):  # pragma: no cover - compiled
+    """dst[dst chunk (d_i, l, kv)] = src[src chunk (s_i, l, kv)], `words` 8-byte words each.
+
+    `*_geo`: (base, slot stride, layer stride, kv stride) in words. Chunks go in the source's
+    memory order: slot by slot when `slot_major`, else layer by layer (see copy_blocks).
+    `stream`: non-temporal stores (destination chunks 32-byte aligned, `words` % 4 == 0)."""
+    n = src_slots.shape[0]
+    per_slot = layers.shape[0] * 2
+    for i in prange(n * per_slot):
+        if slot_major:
+            j = i // per_slot
+            r = i - j * per_slot
+        else:
+            r = i // n
+            j = i - r * n
+        layer = layers[r >> 1]
+        kv = r & 1
+        s = src_geo[0] + src_slots[j] * src_geo[1] + layer * src_geo[2] + kv * src_geo[3]
+        d = dst_geo[0] + dst_slots[j] * dst_geo[1] + layer * dst_geo[2] + kv * dst_geo[3]
+        if stream:
+            copy_vectors(dst[d:d + words], src[s:s + words], words)
+        else:
+            dst[d:d + words] = src[s:s + words]
 
 
 def _libc_memcpy():
@@ -62,6 +102,9 @@ def warm_up() -> None:
     off = np.zeros(2, dtype=np.int64)
     with _lock:
         _copy_chunks(buf, buf, off, off, 8)
+        geo = np.zeros(4, dtype=np.int64)
+        _copy_words(buf.view(np.uint64), buf.view(np.uint64), off, off, off, geo, geo, 1, True,
+                    False)
 
 
 def copy_blocks(src: torch.Tensor, src_dims: tuple[int, int, int], src_slots: np.ndarray,
@@ -69,21 +112,50 @@ def copy_blocks(src: torch.Tensor, src_dims: tuple[int, int, int], src_slots: np
                 layers: np.ndarray) -> None:
     """``dst[slot d_i, layer l, kv] = src[slot s_i, layer l, kv]`` for every pair i, layer in
     `layers` and kv in (0, 1). `*_dims` name each tensor's (slot, layer, kv) dimensions, so
-    one function serves both directions; chunks are the dims from 3 on."""
-    chunk = src[(0,) * 3].numel() * src.element_size()
+    one function serves both directions; chunks are the dims from 3 on (contiguous)."""
+    if not len(src_slots) or not len(layers):
+        return
+    esize = src.element_size()
+    chunk = math.prod(src.shape[3:]) * esize
     # NOTE: chunks go in the source's memory order (slot-major out of a block-major pool,
     # layer-major out of a layer-major one): reads stream, writes scatter. Measured ~8% faster
     # for promotion than the other way round, the same for demotion.
     slot_major = src.stride(src_dims[0]) > src.stride(src_dims[1])
+    src_geo, dst_geo = _geometry(src, src_dims), _geometry(dst, dst_dims)
+    src_bytes, dst_bytes = _storage_bytes(src), _storage_bytes(dst)
+    # The copy checks nothing: prove every chunk lies inside its storage first. Strides are
+    # non-negative, so the lowest and highest chunk come from the extreme slots and layers.
+    lay_lo, lay_hi = int(layers.min()), int(layers.max())
+    for geo, slots, buf in ((src_geo, src_slots, src_bytes), (dst_geo, dst_slots, dst_bytes)):
+        lo = geo[0] + int(slots.min()) * geo[1] + lay_lo * geo[2]
+        hi = geo[0] + int(slots.max()) * geo[1] + lay_hi * geo[2] + geo[3] + chunk
+        if lo < 0 or hi > buf.size:
+            raise IndexError("block copy: a chunk falls outside its pool's storage")
+    if chunk % 8 == 0 and not any(g % 8 for g in src_geo + dst_geo):
+        stream = (streaming.STREAMING
+                  and len(src_slots) * len(layers) * 2 * chunk >= streaming.STREAM_MIN_BYTES
+                  and streaming.aligned(chunk, dst_bytes.ctypes.data + dst_geo[0], *dst_geo[1:]))
+        with _lock:
+            _copy_words(_words(src_bytes), _words(dst_bytes), _int64(src_slots),
+                        _int64(dst_slots), _int64(layers),
+                        np.array(src_geo, dtype=np.int64) >> 3,
+                        np.array(dst_geo, dtype=np.int64) >> 3, chunk >> 3, slot_major, stream)
+        return
     src_off = _offsets(src, src_dims, src_slots, layers, slot_major)
     dst_off = _offsets(dst, dst_dims, dst_slots, layers, slot_major)
-    src_bytes, dst_bytes = _storage_bytes(src), _storage_bytes(dst)
-    # memcpy checks nothing: prove every chunk lies inside its storage before copying.
-    for off, buf in ((src_off, src_bytes), (dst_off, dst_bytes)):
-        if off.size and (off.min() < 0 or off.max() + chunk > buf.size):
-            raise IndexError("block copy: a chunk falls outside its pool's storage")
     with _lock:
         _copy_chunks(src_bytes, dst_bytes, src_off, dst_off, chunk)
+
+
+def _geometry(t: torch.Tensor, dims: tuple[int, int, int]) -> tuple[int, int, int, int]:
+    """(storage offset, slot stride, layer stride, kv stride) of t, in bytes."""
+    e = t.element_size()
+    st = t.stride()
+    return (t.storage_offset() * e, st[dims[0]] * e, st[dims[1]] * e, st[dims[2]] * e)
+
+
+def _int64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
 
 
 def _offsets(t: torch.Tensor, dims: tuple[int, int, int], slots: np.ndarray,
@@ -97,6 +169,11 @@ def _offsets(t: torch.Tensor, dims: tuple[int, int, int], slots: np.ndarray,
     if slot_major:
         off = off.transpose(2, 0, 1)
     return np.ascontiguousarray((off * t.element_size()).reshape(-1), dtype=np.int64)
+
+
+def _words(buf: np.ndarray) -> np.ndarray:
+    """The whole 8-byte words of a flat uint8 array, as uint64 (offsets stay byte / 8)."""
+    return buf[:buf.size & ~7].view(np.uint64)
 
 
 def _storage_bytes(t: torch.Tensor) -> np.ndarray:

@@ -1,5 +1,6 @@
 """Block copies between the layer-major GPU pool and the block-major host pool."""
 
+import math
 import os
 import shutil
 
@@ -169,3 +170,93 @@ def test_slot_lists_must_be_flat_ints(bad, match):
     with pytest.raises(TypeError, match=match):
         copy_blocks_to_host(gpu, bad, host, [0])
     assert torch.equal(host.view(torch.uint8), before.view(torch.uint8))
+
+
+# ---------------------------------------------------------------- the CPU copier's paths
+# kernels/host_copy.py picks one of three loops: streaming stores (big copies, 32-byte aligned
+# destination chunks), 8-byte words (chunks and offsets on words), a memcpy per chunk (the
+# rest). Each must give the torch twin's bytes; these pin which path each case takes.
+
+def _spy_paths(monkeypatch):
+    from tiered_cache.kernels import host_copy
+    seen = []
+    words, chunks = host_copy._copy_words, host_copy._copy_chunks
+    monkeypatch.setattr(host_copy, "_copy_words",
+                        lambda *a: seen.append("stream" if a[-1] else "words") or words(*a))
+    monkeypatch.setattr(host_copy, "_copy_chunks",
+                        lambda *a: seen.append("memcpy") or chunks(*a))
+    return host_copy, seen
+
+
+def _both_backends(gpu, gs, host_shape, hs, dtype, host_offset=0):
+    """copy_blocks_to_host then back, with auto and with torch; the auto results."""
+    out = {}
+    for backend in ("auto", "torch"):
+        flat = torch.zeros(host_offset + math.prod(host_shape), dtype=dtype)
+        host = flat[host_offset:].view(host_shape)
+        copy_blocks_to_host(gpu, gs, host, hs, backend=backend)
+        back = torch.zeros_like(gpu)
+        copy_blocks_to_gpu(host, hs, back, gs, backend=backend)
+        out[backend] = (host.clone(), back.clone())
+    assert torch.equal(out["auto"][0], out["torch"][0])
+    assert torch.equal(out["auto"][1], out["torch"][1])
+    return out["auto"]
+
+
+@pytest.mark.parametrize("host_offset, chunk_elems, want", [
+    (0, 64, ["stream", "stream"]),  # 256-byte chunks, aligned pools: streaming stores
+    # host pool 8 bytes past an aligned address: no streaming into it (out of it, yes)
+    (2, 64, ["words", "stream"]),
+    (0, 2, ["words", "words"]),     # 8-byte chunks: words, not 32-byte vectors
+    (0, 1, ["memcpy", "memcpy"]),   # 4-byte chunks (FP8 scales): a memcpy per chunk
+])
+def test_each_cpu_copy_path_gives_the_torch_twins_bytes(monkeypatch, host_offset, chunk_elems,
+                                                        want):
+    host_copy, seen = _spy_paths(monkeypatch)
+    monkeypatch.setattr(host_copy.streaming, "STREAM_MIN_BYTES", 0)
+    gen = torch.Generator().manual_seed(chunk_elems + host_offset)
+    gpu = torch.randn(L, 2, S_GPU, chunk_elems, generator=gen)
+    host, back = _both_backends(gpu, [9, 0, 4, 5], (S_HOST, L, 2, chunk_elems), [3, 11, 0, 1],
+                                torch.float32, host_offset)
+    if not host_copy.streaming.STREAMING:
+        want = ["words" if w == "stream" else w for w in want]
+    assert seen == want
+    assert torch.equal(host[11], gpu[:, :, 0])
+    assert torch.equal(back[:, :, [9, 0, 4, 5]], gpu[:, :, [9, 0, 4, 5]])
+
+
+def test_copies_below_the_cache_size_do_not_stream(monkeypatch):
+    host_copy, seen = _spy_paths(monkeypatch)
+    monkeypatch.setattr(host_copy.streaming, "STREAM_MIN_BYTES", 1 << 30)
+    gpu = torch.randn(L, 2, S_GPU, 64)
+    _both_backends(gpu, [1, 2], (S_HOST, L, 2, 64), [0, 5], torch.float32)
+    assert seen == ["words", "words"]
+
+
+def test_a_copy_larger_than_the_cache_streams_with_the_real_threshold(monkeypatch):
+    """24 MiB out and back at the real threshold (x86-64: streaming stores), byte for byte."""
+    host_copy, seen = _spy_paths(monkeypatch)
+    n = max(4, -(-host_copy.streaming.STREAM_MIN_BYTES // (L * 2 * 4 * 16384)))
+    gpu = torch.randint(-2**31, 2**31 - 1, (L, 2, n, 16384), dtype=torch.int32)
+    slots = list(range(n))[::-1]
+    host, back = _both_backends(gpu, slots, (n, L, 2, 16384), list(range(n)), torch.int32)
+    assert torch.equal(back, gpu)
+    assert seen[0] == ("stream" if host_copy.streaming.STREAMING else "words")
+
+
+@pytest.mark.parametrize("n", [5, 600, 5000])
+def test_slot_checks_hold_for_short_and_long_lists(n):
+    """Short slot lists are checked in Python, long ones in numpy: the same answers."""
+    gpu = torch.zeros(1, 2, n + 1, 2)
+    host = torch.zeros(n + 1, 1, 2, 2)
+    ids = list(range(n))
+    copy_blocks_to_host(gpu, ids, host, ids[::-1])
+    with pytest.raises(ValueError, match="distinct"):
+        copy_blocks_to_host(gpu, ids, host, ids[:-1] + [0])
+    with pytest.raises(ValueError, match=r"host_slots: slot ids must be in \[0, "):
+        copy_blocks_to_host(gpu, ids, host, ids[:-1] + [n + 1])
+    with pytest.raises(ValueError, match=r"gpu_slots: .*got range \[-1, "):
+        copy_blocks_to_host(gpu, [-1] + ids[1:], host, ids)
+    copy_blocks_to_gpu(host, ids[:-1] + [0], gpu, ids)      # a source may repeat
+    with pytest.raises(ValueError, match="distinct"):
+        copy_blocks_to_gpu(host, ids, gpu, [1] + ids[1:])
