@@ -37,7 +37,7 @@ from tiered_cache.migrator.health import ThreadHealth
 
 from tiered_cache.config import MigratorConfig
 from tiered_cache.core import moves
-from tiered_cache.core.index import GPU, BlockIndex
+from tiered_cache.core.index import DEVICE, BlockIndex
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.transfer import Transfer
 
@@ -102,7 +102,7 @@ class Migrator:
     def copy_down(self, blocks: list[int]) -> None:
         if len(self.index.tiers) < 2:
             return
-        plan = moves.plan_copy_down(self.index, blocks, GPU, GPU + 1)
+        plan = moves.plan_copy_down(self.index, blocks, DEVICE, DEVICE + 1)
         if plan:
             self._submit(_Job(1, next(self._order), "write_through", plan))
 

@@ -175,6 +175,33 @@ def test_a_chain_of_writers_each_waits_on_the_one_before():
         check_invariants(cache)
 
 
+def test_an_aborted_writer_fails_the_wait_at_once_while_an_earlier_one_still_computes():
+    """c takes blocks from a (still open, nothing written) and from b; b closes. Reading c
+    must raise PrefixAbortedError now, not first wait out a's blocks (found by the state
+    machine: a single-threaded engine would hang for wait_timeout_s, then get a timeout)."""
+    with cache_for() as cache:
+        a = cache.open(PROMPT[:16])
+        b = cache.open(PROMPT[:24])                 # takes a's 4 blocks, computes 2
+        c = cache.open(PROMPT)                      # waits on a (first) and on b
+        assert len(c.pending) == 2
+        cache.close(b)
+        t0 = time.monotonic()
+        for read in (lambda: cache.wait(c, 0, timeout=5),
+                     lambda: cache.gather(c, 0),
+                     lambda: cache.attention(torch.zeros(1, 1, 4), [c], 0)):
+            with pytest.raises(PrefixAbortedError):
+                read()
+        assert time.monotonic() - t0 < 2.5         # (each would wait 5 s / the default)
+        for layer in range(LAYERS):
+            write_pattern(cache, a, layer)
+        with pytest.raises(PrefixAbortedError):     # a's part landed; b's never will
+            cache.gather(c, 0)
+        cache.close(c)
+        check_pattern(cache, a)
+        cache.close(a)
+        check_invariants(cache)
+
+
 def test_tenants_and_adapters_never_share():
     with cache_for() as cache:
         w = cache.open(PROMPT, salt="tenant-a")

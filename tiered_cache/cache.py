@@ -29,7 +29,7 @@ from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
 from tiered_cache.core import resize as resizing
 from tiered_cache.core.atomic import atomic, install, interrupt_pending
-from tiered_cache.core.index import GPU, BlockIndex
+from tiered_cache.core.index import DEVICE, BlockIndex
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.core.tier import TierSpec, TierState
@@ -366,7 +366,7 @@ class TieredKVCache:
                     # Writes to different layers may run in parallel.
                     with idx.lock:
                         flat = self._flat_index(seq, start, start + n)
-                    pool = self.pools[GPU]
+                    pool = self.pools[DEVICE]
                     dev = pool.kv.device
                     pool.write_tokens(layer, flat, key.detach().to(dev), value.detach().to(dev))
                     if idx.share_inflight and dev.type == "cuda":
@@ -408,6 +408,10 @@ class TieredKVCache:
         if not pending:
             return
         timeout = self.config.migrator.wait_timeout_s if timeout is None else timeout
+        # NOTE: a promotion (or writer) that already failed for this layer ends the wait now:
+        # waiting out the others first would only delay the same error (and a writer that a
+        # single-threaded engine has not run yet would never finish).
+        _check_landed(seq, layer)
         for readiness in pending:
             event = readiness.wait(layer, timeout)
             if event is not None:
@@ -429,7 +433,7 @@ class TieredKVCache:
             idx.check_open(seq)
             _check_landed(seq, layer)
             flat = self._flat_index(seq, 0, seq.written[layer])
-            return self.pools[GPU].read_tokens(layer, flat)
+            return self.pools[DEVICE].read_tokens(layer, flat)
 
     def attention(self, q, seqs: list[Sequence], layer: int, *, scale: float | None = None):
         """Paged decode attention: `q` `[len(seqs), num_q_heads, head_dim]`, one query per
@@ -479,6 +483,7 @@ class TieredKVCache:
             elif any(not r.zero_copy for r in seq.pending):
                 # NOTE: blocks staged from disk have no copy to read in place until their
                 # host stage lands: wait for this layer of those promotions only.
+                _check_landed(seq, layer)               # (a failed one: no wait, as in wait)
                 timeout = self.config.migrator.wait_timeout_s
                 for r in seq.pending:
                     if not r.zero_copy:
@@ -623,7 +628,7 @@ class TieredKVCache:
             self.migrator.copy_down(fresh)
             return
         try:
-            plan = moves.plan_copy_down(self.index, fresh, GPU, GPU + 1)
+            plan = moves.plan_copy_down(self.index, fresh, DEVICE, DEVICE + 1)
         except CapacityError:
             # NOTE: the write this copy follows has already committed: a copy that finds no
             # room below is skipped (the blocks just have no lower copy), never an error.
@@ -648,7 +653,7 @@ class TieredKVCache:
                                 "promotion failed)")
         pos = np.arange(start, end, dtype=np.int64)
         flat = slots[pos // bs - first] * bs + pos % bs
-        return torch.from_numpy(flat).to(self.pools[GPU].kv.device)
+        return torch.from_numpy(flat).to(self.pools[DEVICE].kv.device)
 
     # ------------------------------------------------------------------ validation
     def _check_alive(self) -> None:
@@ -700,7 +705,7 @@ class TieredKVCache:
         import torch
 
         dtypes = self._compute_dtypes()
-        device = self.pools[GPU].kv.device if self.has_storage else torch.device("cpu")
+        device = self.pools[DEVICE].kv.device if self.has_storage else torch.device("cpu")
         return dtypes, device
 
     def _check_kv(self, key, value) -> int:
@@ -804,7 +809,7 @@ def _attached(index: BlockIndex, migrator, tenant_salt: bytes) -> None:
     index.set_tenant(tenant_salt)
     index.forget_puts(0)
     if migrator is not None and not migrator.stopped:
-        migrator.put_remote(index.blocks_in(GPU))
+        migrator.put_remote(index.blocks_in(DEVICE))
 
 
 def _warm_up(pools: list) -> None:

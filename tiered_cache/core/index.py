@@ -72,7 +72,6 @@ after context_blocks cached blocks (tiered_cache.costs)."""
 
 DEVICE = 0
 """The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
-GPU = DEVICE                    # the device tier's name in configs: `tiers.gpu`
 
 
 @dataclass
@@ -360,7 +359,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         """Tier-0 slots of the blocks an `open_blocks` handle holds, in chain order."""
         with self.lock:
             self.check_open(seq)
-            dev = self._slots[GPU]
+            dev = self._slots[DEVICE]
             return [dev[b] for b in seq.blocks]
 
     def _match_after(self, seq: Sequence, prev: int, key: bytes) -> list[int]:
@@ -397,10 +396,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                 - len(shared))
         # Check room before pinning, so that a refused open leaves even the policies' order
         # untouched: blocks this open would pin stop being evictable.
-        self.check_room(GPU, need, extra_pinned=survey.pinning)
+        self.check_room(DEVICE, need, extra_pinned=survey.pinning)
         self._pin_all(survey)
         try:
-            slots = self.allocate(GPU, need)
+            slots = self.allocate(DEVICE, need)
         except BaseException:
             self._unpin_survey(survey)
             raise
@@ -418,7 +417,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             # is given up here; a committed one already released its device slots.
             if plan and self.pending.get(plan[0].block) is readiness:
                 self.commit_promotion(plan, False)
-            alloc, owner = self.tiers[GPU].allocator, self.tiers[GPU].owner
+            alloc, owner = self.tiers[DEVICE].allocator, self.tiers[DEVICE].owner
             alloc.free([s for s in slots if not alloc.is_free(s) and owner[s] == NO_BLOCK])
             self._unpin_survey(survey)
             raise
@@ -448,8 +447,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             seq.chain = shared[-1]
             seq.num_published = len(seq.blocks)
             taken = self._take(seq, shared, len(matched))
-            self.tiers[GPU].hit_tokens += taken
-            by_tier[self.tiers[GPU].name] += taken
+            self.tiers[DEVICE].hit_tokens += taken
+            by_tier[self.tiers[DEVICE].name] += taken
         cached = len(seq.blocks) * bs
         self._new_blocks(seq, slots[len(promote_ids):])
         if self.share_inflight:
@@ -469,7 +468,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
         need = -(-num_tokens // self.block_size)
         with self.lock:
-            return self.room(GPU) >= need
+            return self.room(DEVICE) >= need
 
     @_mutator
     def append(self, seq: Sequence, tokens: np.ndarray) -> None:
@@ -477,7 +476,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         self.check_open(seq)
         have = len(seq.blocks) * self.block_size
         need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
-        slots = self.allocate(GPU, need, hint=self._hint(seq)) if need else []
+        slots = self.allocate(DEVICE, need, hint=self._hint(seq)) if need else []
         seq.extend(tokens)
         self._new_blocks(seq, slots)
 
@@ -597,7 +596,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
     # ------------------------------------------------------------------ reads
     def device_slots(self, seq: Sequence, first: int, last: int) -> list[int]:
         """Device slots of the sequence's blocks [first, last] (lock held by the caller)."""
-        dev = self._slots[GPU]
+        dev = self._slots[DEVICE]
         return [dev[b] for b in seq.blocks[first:last + 1]]
 
     @_mutator
@@ -612,7 +611,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         for seq in seqs:
             self.check_open(seq)
         rows, held = [], []
-        dev, slots, pend, flight = self._slots[GPU], self._slots, self.pending, self._flight
+        dev, slots, pend, flight = self._slots[DEVICE], self._slots, self.pending, self._flight
         fastest = self.blocks.fastest_tier
         for seq in seqs:
             s_row, t_row = [], []
@@ -626,7 +625,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                     # Landed: read the device copy, but hold the block so that a promotion
                     # that fails later cannot free the slot under the kernel.
                     s_row.append(dev[b])
-                    t_row.append(GPU)
+                    t_row.append(DEVICE)
                     flight[b] += 1
                     held.append(b)
                 elif r is not None:
@@ -649,7 +648,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                                         f"(fastest copy in tier {fastest(b)})")
                 else:
                     s_row.append(dev[b])
-                    t_row.append(GPU)
+                    t_row.append(DEVICE)
             rows.append((s_row, t_row, seq.written[layer]))
         for b in held:
             self._refresh(b)
@@ -759,7 +758,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         key_of, parents, roots, born, last = t.key, t.parent, t.root_id, t.inserted_at, \
             t.last_access
         published, cand, ref = t.published, self._cand, self._ref
-        kids0, dev, lower = self._kids[0], self._slots[GPU], self._slots[1:]
+        kids0, dev, lower = self._kids[0], self._slots[DEVICE], self._slots[1:]
         prefix, h, keys, clock = self.prefix, self.hasher.hash_fn, seq.keys, self.clock
         first = seq.num_published
         if first == seq.awaiting and key_of[seq.chain] is None and ref[seq.chain] > 1:
@@ -844,7 +843,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         else:
             self.counters.collisions += 1
         seq.chain = BROKEN
-        if (same and existing not in self.pending and self._slots[GPU][existing] != NO_SLOT
+        if (same and existing not in self.pending and self._slots[DEVICE][existing] != NO_SLOT
                 and not seq.readers and self._ref[b] == 1):
             # NOTE: an equal block another sequence published first, readable on the device:
             # use it instead of ours (pinned like any block of ours) and free ours, so the
@@ -878,8 +877,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
 
     # ------------------------------------------------------------------ new blocks
     def _hint(self, seq: Sequence) -> int | None:
-        if seq.blocks and self._slots[GPU][seq.blocks[-1]] != NO_SLOT:
-            return self._slots[GPU][seq.blocks[-1]] + 1
+        if seq.blocks and self._slots[DEVICE][seq.blocks[-1]] != NO_SLOT:
+            return self._slots[DEVICE][seq.blocks[-1]] + 1
         return None
 
     def _new_blocks(self, seq: Sequence, slots: list[int]) -> None:
@@ -887,16 +886,16 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if not slots:
             return
         t = self.blocks
-        tier = self.tiers[GPU]
+        tier = self.tiers[DEVICE]
         ids, at = t.new_run_ids(len(seq.blocks), len(slots), 1)
         if at is None:
-            dev, owner = self._slots[GPU], tier.owner
+            dev, owner = self._slots[DEVICE], tier.owner
             for b, slot in zip(ids, slots):
                 dev[b] = slot
                 owner[slot] = b
         else:
             where = np.asarray(slots, dtype=np.intp)
-            t.view("slots", GPU)[at] = where
+            t.view("slots", DEVICE)[at] = where
             # NOTE: a view of the owner map only for this call: the map grows with the tier
             # (an array cannot be resized while a view of it lives).
             np.frombuffer(tier.owner, dtype=np.int32)[where] = at

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tiered_cache.core import moves
-from tiered_cache.core.index import GPU, BlockIndex
+from tiered_cache.core.index import DEVICE, BlockIndex
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import CapacityError, TransferError
 
@@ -99,7 +99,7 @@ def _make_room(idx: BlockIndex, t: int, poke: Callable[[], None] | None) -> str:
     alloc = idx.tiers[t].allocator
     if alloc.num_free >= alloc.draining:
         return "pinned by open sequences or in flight"
-    if t == GPU and poke is not None and len(idx.tiers) > 1:
+    if t == DEVICE and poke is not None and len(idx.tiers) > 1:
         # NOTE: the device tier's capacity is already the new size, so the migrator's
         # watermark demotes it (pipelined, copies outside the lock) whenever the tail does not
         # fit below: used > capacity >= high_watermark * capacity. No demotion copies under
