@@ -172,6 +172,30 @@ def test_a_corrupt_value_in_the_store_is_a_miss_never_wrong_kv(tmp_path, server,
         assert r["cached"] < 48             # the corrupt blocks were not served
 
 
+def test_a_corrupt_record_costs_only_the_blocks_from_the_store(tmp_path, server, redis_url):
+    """B holds the first 4 blocks itself; the 8 after them only the store has, one of them
+    corrupt: B's fetch still serves its own 4 (checked KV), not nothing."""
+    with daemons(tmp_path, redis_url) as (a, b):
+        run_engine(b.socket_path, "write", 4000, 16)            # B's own 4 blocks
+        wait_for(lambda: put_blocks(b.socket_path) == 4, "B's puts")
+        raw = server.raw()
+        own = set(raw.keys("tc:*"))
+        run_engine(a.socket_path, "write", 4000, 48)            # A: the same 4, then 8 more
+        wait_for(lambda: len(raw.keys("tc:*")) == 12, "A's puts")
+        later = sorted(set(raw.keys("tc:*")) - own)
+        assert len(later) == 8
+        for k in later:                     # every record after B's blocks fails its check
+            v = bytearray(raw.get(k))
+            v[-1] ^= 0x40
+            raw.set(k, bytes(v))
+        r = run_engine(b.socket_path, "read", 4000, 48)
+        assert r["ok"], r                   # every cached token's KV checked by the engine
+        assert r["cached"] == 16, r         # B's own blocks, not a whole miss
+        pb = partition(b.socket_path)
+        assert pb["tiers"]["remote"]["load_failures"] >= 1, pb["tiers"]["remote"]
+        assert pb["daemon"]["fetch_failures"] >= 1
+
+
 def test_a_dead_store_costs_the_daemon_only_the_store(tmp_path, server, redis_url):
     with daemons(tmp_path, redis_url, "a") as (a,):
         run_engine(a.socket_path, "write", 1000, 32)
