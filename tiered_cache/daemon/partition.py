@@ -61,7 +61,9 @@ from tiered_cache.sizing import tier_num_blocks
 
 log = logging.getLogger(__name__)
 
-HOST, DISK = 0, 1
+POOL = 0
+"""The partition's fastest tier: the shared-memory pool (its BlockIndex's tier 0, as the device
+tier is an engine's); `tiers.disk`, when configured, is the next one (`POOL + 1`)."""
 REMOTE = 0          # the keyed tier's number (BlockIndex.keyed)
 
 
@@ -155,7 +157,7 @@ class Partition:
                                          namespace=self.hasher.namespace_digest())
                 # NOTE: unstaged: a load lands straight in the pool slot the hold was given.
                 keyed.append(TierSpec("remote", "remote", 0, staged=False,
-                                      put_from=HOST if remote.write == "on_host" else None))
+                                      put_from=POOL if remote.write == "on_host" else None))
             self.index = BlockIndex(specs, policy=assembly.policy_factory(config),
                                     block_size=bs, num_layers=model.num_layers,
                                     hasher=self.hasher, block_bytes=config.block_bytes,
@@ -326,19 +328,19 @@ class Partition:
             self._count("duplicate_blocks", len(entries))
             return taken
         try:
-            lent = self.index.lend(HOST, len(new))
+            lent = self.index.lend(POOL, len(new))
         except CapacityError:
             self._count("rejected_blocks", len(entries))
             return taken
         try:
             _copy_slots(staging.kv, [entries[i]["slot"] for i in new], self.shared.kv, lent)
         except BaseException:
-            self.index.unlend(HOST, lent)
+            self.index.unlend(POOL, lent)
             raise
         metas = [(slot, RecordMeta(entries[i]["key"], entries[i]["parent"], root,
                                    entries[i]["depth"], entries[i]["tokens"],
                                    entries[i]["hits"])) for i, slot in zip(new, lent)]
-        adopted = self.index.adopt(HOST, root_id, metas)
+        adopted = self.index.adopt(POOL, root_id, metas)
         for i, b in zip(new, adopted):
             taken[i] = b != NO_BLOCK
         if self.migrator.put_tiers:
@@ -393,9 +395,9 @@ class Partition:
         if len(self.index.tiers) < 2:
             return 0
         written = 0
-        blocks = self.index.blocks_in(HOST)
+        blocks = self.index.blocks_in(POOL)
         for first in range(0, len(blocks), 256):
-            plan = moves.plan_copy_down(self.index, blocks[first:first + 256], HOST, DISK)
+            plan = moves.plan_copy_down(self.index, blocks[first:first + 256], POOL, POOL + 1)
             ok = False
             try:
                 self.executor.run(plan)
