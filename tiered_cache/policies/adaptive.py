@@ -163,8 +163,14 @@ class AdaptivePolicy(PriorityPolicy):
 
     # -- hooks ------------------------------------------------------------------------------
     def insert(self, b: int) -> None:
-        # NOTE: written out in one function (priority inlined): it runs for every published
-        # block, and replay speed is a target.
+        self._push(b, self._prepare(b)[0])
+
+    def _prepare(self, b: int) -> tuple[float, int, int]:
+        """What `insert(b)` does before b enters the heap (the duel hears of a fresh chain, the
+        exposed parent is recognised); returns b's priority and `_uses(b)`.
+
+        NOTE: written out in one function (priority inlined): it runs for every published
+        block, and replay speed is a target."""
         t = self.blocks
         last = t.last_access[b]
         live = self._live
@@ -176,21 +182,21 @@ class AdaptivePolicy(PriorityPolicy):
             self._exposed = NO_BLOCK
         if fresh:                       # the last block of a request that just closed
             self._walk(b)
+        # b's uses (its content's, across evictions), also when the current expert does not
+        # rank by them: `offer` hands them on to the ghost if b is evicted at once.
+        key = t.key[b]
+        prev = None
+        if key is not None:             # (entries are non-empty tuples: `or` asks the old one)
+            prev = self._ghost.get(key) or self._ghost_old.get(key)
+        if prev is None:                                # self._uses(b), inlined
+            uses, first = hits + 1, t.inserted_at[b]
+        elif prev[2] == t.inserted_at[b]:
+            uses, first = prev[0] - prev[3] + hits, prev[1]
+        else:
+            uses, first = prev[0] + hits + 1, prev[1]
         m = self._m
         p = float(last)
         if m != 0.0:
-            key = t.key[b]
-            prev = None
-            if key is not None:
-                prev = self._ghost.get(key)
-                if prev is None:
-                    prev = self._ghost_old.get(key)
-            if prev is None:                            # self._uses(b), inlined
-                uses, first = hits + 1, t.inserted_at[b]
-            elif prev[2] == t.inserted_at[b]:
-                uses, first = prev[0] - prev[3] + hits, prev[1]
-            else:
-                uses, first = prev[0] + hits + 1, prev[1]
             if uses > 1:
                 if last > first:
                     c = m * self._turnover.lifetime * math.log2(uses)
@@ -204,13 +210,48 @@ class AdaptivePolicy(PriorityPolicy):
                     break
             else:
                 p -= REDUNDANT
+        return p, uses, first
+
+    def _push(self, b: int, p: float) -> None:
         n = next(self._seq)
-        live[b] = n
-        heapq.heappush(self._heap, (p, -t.depth[b], n, b))
+        self._live[b] = n
+        heapq.heappush(self._heap, (p, -self.blocks.depth[b], n, b))
         if self._old or len(self._heap) > 1024:
             self._maybe_compact()
         if self._rekey:
             self._rekey_some()
+
+    def offer(self, b: int) -> bool:
+        """`insert(b)` + `victim()` without the heap round trip when b is the one `victim`
+        would pop: b, keyed now, is strictly below every live entry (ties go to the entry
+        already there, as in the heap: b's entry number would be the newest). Anything else,
+        an entry keyed as a spare copy on top (`victim` may re-key it) included, inserts b:
+        always allowed (the eviction loop then asks `victim`)."""
+        p, uses, first = self._prepare(b)
+        if self._rekey:
+            self._rekey_some()          # (insert does this before victim looks at the heap)
+        d = -self.blocks.depth[b]
+        live, heap, old = self._live, self._heap, self._old
+        while heap:
+            top = heap[0]
+            if live.get(top[3]) != top[2]:
+                heapq.heappop(heap)     # stale: `victim` would drop it too
+                continue
+            if top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE:
+                self._push(b, p)
+                return False
+            break
+        while old:
+            top = old[0]
+            if live.get(top[3]) != top[2]:
+                heapq.heappop(old)
+                continue
+            if top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE:
+                self._push(b, p)
+                return False
+            break
+        self._evicted(b, uses, first)
+        return True
 
     def _walk(self, b: int) -> None:
         """Block b, never hit, closed its request: hand the sampled blocks of its new chain
@@ -317,38 +358,45 @@ class AdaptivePolicy(PriorityPolicy):
             if prio < SPARE and self.priority(b) > SPARE:
                 PriorityPolicy.insert(self, b)      # keyed as a spare copy, now the only one
                 continue
-            t = self.blocks
-            parent = t.parent[b]
-            self._exposed = parent
-            if parent != NO_BLOCK:
-                self._exposed_gen = t.gen[parent]
-            key = t.key[b]
-            if key is not None:
-                # NOTE: filed under LRU too, which never reads it: when the duel switches to a
-                # credit expert, content that returns must already count its earlier uses
-                # (filing only under credit experts cost rag 4-5% on the tuning seeds).
-                ghost = self._ghost
-                hits, born = t.hits[b], t.inserted_at[b]
-                prev = ghost.get(key)
-                if prev is None:
-                    prev = self._ghost_old.get(key)
-                if prev is None:                        # self._uses(b), inlined
-                    ghost[key] = (hits + 1, born, born, hits)
-                elif prev[2] == born:
-                    ghost[key] = (prev[0] - prev[3] + hits, prev[1], born, hits)
-                else:
-                    ghost[key] = (prev[0] + hits + 1, prev[1], born, hits)
-                if len(ghost) >= self._ghost_half:
-                    self._ghost_old, self._ghost = ghost, {}
-            self._evictions += 1
-            if self._evictions >= self._turnover.batch:
-                self._turnover.evicted(self._now, self._evictions)
-                self._evictions = 0
-            if self._old:
-                self._drain()
-            if self._rekey:
-                self._rekey_some()
+            self._evicted(b)
             return b
+
+    def _evicted(self, b: int, uses: int = -1, first: int = 0) -> None:
+        """b, taken off the live candidates, is this tier's victim: its parent is exposed,
+        its content filed in the ghost (as (uses, first use, publication, hits), where (uses,
+        first use) is `_uses(b)`, passed in when the caller has it), the turnover counted."""
+        t = self.blocks
+        parent = t.parent[b]
+        self._exposed = parent
+        if parent != NO_BLOCK:
+            self._exposed_gen = t.gen[parent]
+        key = t.key[b]
+        if key is not None:
+            # NOTE: filed under LRU too, which never reads it: when the duel switches to a
+            # credit expert, content that returns must already count its earlier uses
+            # (filing only under credit experts cost rag 4-5% on the tuning seeds).
+            ghost = self._ghost
+            hits, born = t.hits[b], t.inserted_at[b]
+            if uses < 0:
+                prev = ghost.get(key) or self._ghost_old.get(key)
+                if prev is None:                    # self._uses(b), inlined
+                    uses, first = hits + 1, born
+                elif prev[2] == born:
+                    uses, first = prev[0] - prev[3] + hits, prev[1]
+                else:
+                    uses, first = prev[0] + hits + 1, prev[1]
+            ghost[key] = (uses, first, born, hits)
+            if len(ghost) >= self._ghost_half:
+                self._ghost_old, self._ghost = ghost, {}
+        n = self._evictions + 1
+        if n >= self._turnover.batch:
+            self._turnover.evicted(self._now, n)
+            n = 0
+        self._evictions = n
+        if self._old:
+            self._drain()
+        if self._rekey:
+            self._rekey_some()
 
     def victims(self, n: int) -> list[int]:
         out: list[int] = []

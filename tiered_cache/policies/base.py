@@ -124,10 +124,12 @@ class PriorityPolicy(CachePolicy):
         # then `victim` would do when neither is overridden (a policy that keeps more state
         # there gets the general default unless it defines its own `offer`).
         cls._hooked_evict = cls.on_evict is not PriorityPolicy.on_evict
-        if "offer" not in cls.__dict__ and any(
-                getattr(cls, m) is not getattr(PriorityPolicy, m)
-                for m in ("insert", "remove", "victim")):
-            cls.offer = CachePolicy.offer
+        if "offer" not in cls.__dict__:
+            # (the `offer` it inherits holds only for the hooks of the class that defined it)
+            owner = next(k for k in cls.__mro__ if "offer" in k.__dict__)
+            if owner is not CachePolicy and any(getattr(cls, m) is not getattr(owner, m)
+                                                for m in ("insert", "remove", "victim")):
+                cls.offer = CachePolicy.offer
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
