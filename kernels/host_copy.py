@@ -131,7 +131,8 @@ def copy_blocks(src: torch.Tensor, src_dims: tuple[int, int, int], src_slots: np
         hi = geo[0] + int(slots.max()) * geo[1] + lay_hi * geo[2] + geo[3] + chunk
         if lo < 0 or hi > buf.size:
             raise IndexError("block copy: a chunk falls outside its pool's storage")
-    if chunk % 8 == 0 and not any(g % 8 for g in src_geo + dst_geo):
+    if chunk % 8 == 0 and not any(g % 8 for g in (
+            *src_geo, *dst_geo, src_bytes.ctypes.data, dst_bytes.ctypes.data)):
         stream = (streaming.STREAMING
                   and len(src_slots) * len(layers) * 2 * chunk >= streaming.STREAM_MIN_BYTES
                   and streaming.aligned(chunk, dst_bytes.ctypes.data + dst_geo[0], *dst_geo[1:]))

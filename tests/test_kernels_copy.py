@@ -260,3 +260,20 @@ def test_slot_checks_hold_for_short_and_long_lists(n):
     copy_blocks_to_gpu(host, ids[:-1] + [0], gpu, ids)      # a source may repeat
     with pytest.raises(ValueError, match="distinct"):
         copy_blocks_to_gpu(host, ids, gpu, [1] + ids[1:])
+
+
+def test_a_pool_on_an_unaligned_buffer_takes_the_memcpy_path(monkeypatch):
+    """A pool over memory that is not 8-byte aligned (torch.frombuffer of an odd offset)
+    cannot be seen as words: it must still copy, through the memcpy loop."""
+    host_copy, seen = _spy_paths(monkeypatch)
+    raw = bytearray(S_HOST * L * 2 * 64 + 3)
+    flat = torch.frombuffer(memoryview(raw)[3:], dtype=torch.uint8)
+    assert flat.untyped_storage().data_ptr() % 8 and flat.storage_offset() == 0
+    host = flat.view(S_HOST, L, 2, 64)                      # uint8 chunks of 64 bytes
+    gpu = torch.randint(0, 256, (L, 2, S_GPU, 64), dtype=torch.uint8)
+    copy_blocks_to_host(gpu, [9, 0, 4], host, [3, 11, 0])
+    assert torch.equal(host[11], gpu[:, :, 0]) and torch.equal(host[3], gpu[:, :, 9])
+    back = torch.zeros_like(gpu)
+    copy_blocks_to_gpu(host, [3, 11, 0], back, [9, 0, 4])
+    assert torch.equal(back[:, :, [9, 0, 4]], gpu[:, :, [9, 0, 4]])
+    assert seen == ["memcpy", "memcpy"]
