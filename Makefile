@@ -37,16 +37,18 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # A wheel built from the repo, installed in a clean venv, must import the mapped subpackages,
-# and its tools must run without the `tools` extra (no matplotlib, no tqdm) where they can.
+# and its tools must run without the `tools` extra (no matplotlib, no tqdm) where they can. It
+# runs from an empty directory: a stray module in /tmp (an `nt.py`, say) would shadow the stdlib.
 wheel-check: $(STAMP)
-	rm -rf build dist /tmp/tc-wheel-venv
+	rm -rf build dist /tmp/tc-wheel-venv /tmp/tc-wheel-run
+	mkdir -p /tmp/tc-wheel-run
 	$(PY) -m pip wheel -q --no-deps -w dist . >/dev/null
 	python3 -m venv /tmp/tc-wheel-venv
 	/tmp/tc-wheel-venv/bin/pip install -q torch==2.13.0 dist/*.whl
-	cd /tmp && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache, tiered_cache.tools.replay; print('wheel ok:', tiered_cache.__file__)"
-	cd /tmp && /tmp/tc-wheel-venv/bin/tiered-cache --version
-	cd /tmp && /tmp/tc-wheel-venv/bin/tiered-cache plan >/dev/null
-	cd /tmp && /tmp/tc-wheel-venv/bin/tiered-cache replay --workload chat --requests 50 --gpu-blocks 200 >/dev/null
+	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache, tiered_cache.tools.replay; print('wheel ok:', tiered_cache.__file__)"
+	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/tiered-cache --version
+	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/tiered-cache plan >/dev/null
+	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/tiered-cache replay --workload chat --requests 50 --gpu-blocks 200 >/dev/null
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache
