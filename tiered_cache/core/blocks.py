@@ -96,14 +96,11 @@ class BlockTable:
         self.num_live += 1
         return b
 
-    def new_run(self, depth: int, n: int, ref_count: int = 0) -> list[int]:
-        """n fresh private blocks at depths depth, depth + 1, ...: the ids n calls of `new`
-        would return, set up in one pass (vectorised for long runs: a prompt's new blocks)."""
-        return self.new_run_ids(depth, n, ref_count)[0]
-
     def new_run_ids(self, depth: int, n: int,
                     ref_count: int = 0) -> tuple[list[int], np.ndarray | None]:
-        """`new_run`, and the ids as an intp array where it made one (n >= _VECTOR_MIN)."""
+        """n fresh private blocks at depths depth, depth + 1, ...: the ids n calls of `new`
+        would return, set up in one pass (vectorised for long runs: a prompt's new blocks), and
+        the ids as an intp array where it made one (n >= _VECTOR_MIN)."""
         free = self._free
         while len(free) < n:
             self.grow(2 * self.capacity)

@@ -231,25 +231,10 @@ class AdaptivePolicy(PriorityPolicy):
         if self._rekey:
             self._rekey_some()          # (insert does this before victim looks at the heap)
         d = -self.blocks.depth[b]
-        live, heap, old = self._live, self._heap, self._old
-        while heap:
-            top = heap[0]
-            if live.get(top[3]) != top[2]:
-                heapq.heappop(heap)     # stale: `victim` would drop it too
-                continue
-            if top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE:
-                self._push(b, p)
-                return False
-            break
-        while old:
-            top = old[0]
-            if live.get(top[3]) != top[2]:
-                heapq.heappop(old)
-                continue
-            if top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE:
-                self._push(b, p)
-                return False
-            break
+        top = self._live_top()
+        if top is not None and (top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE):
+            self._push(b, p)
+            return False
         self._evicted(b, uses, first)
         return True
 

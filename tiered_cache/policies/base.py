@@ -216,26 +216,26 @@ class PriorityPolicy(CachePolicy):
         the heap itself (b's entry number would be the newest)."""
         prio = self.priority(b)
         d = -self.blocks.depth[b]
-        heap, live = self._heap, self._live
-        while heap:
-            top = heap[0]
-            if live.get(top[3]) != top[2]:
-                heapq.heappop(heap)             # stale
-                continue
-            if top[0] < prio or (top[0] == prio and top[1] <= d):
-                return self._offer_lost(b, prio, d)
-            break
-        old = self._old
-        if old:
-            while old and live.get(old[0][3]) != old[0][2]:
-                heapq.heappop(old)
-            if old and (old[0][0] < prio or (old[0][0] == prio and old[0][1] <= d)):
-                return self._offer_lost(b, prio, d)
+        top = self._live_top()
+        if top is not None and (top[0] < prio or (top[0] == prio and top[1] <= d)):
+            return self._offer_lost(b, prio, d)
         if self._hooked_evict:
             self.on_evict(prio, b)
-        if old:
+        if self._old:
             self._drain()
         return True
+
+    def _live_top(self) -> tuple[float, int, int, int] | None:
+        """The entry `victim` would pop next, left in place (None: no candidate); stale tops
+        of both heaps are shed on the way, as `victim` would drop them."""
+        live, pop = self._live, heapq.heappop
+        best = None
+        for heap in (self._heap, self._old):
+            while heap and live.get(heap[0][3]) != heap[0][2]:
+                pop(heap)
+            if heap and (best is None or heap[0] < best):
+                best = heap[0]
+        return best
 
     def _offer_lost(self, b: int, prio: float, d: int) -> bool:
         """`offer`: a live entry beats b, which is inserted (as `insert` would)."""
