@@ -31,9 +31,10 @@ log = logging.getLogger(__name__)
 
 
 def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payload_bytes: int,
-            cost=None) -> KeyedStore:
+            cost=None, delete_corrupt: bool = False) -> KeyedStore:
     """The store `tiers.remote` names (redis-py). An unreachable server is not an error: the
-    store starts unverified and its breaker probes the server again later."""
+    store starts unverified and its breaker probes the server again later. `delete_corrupt`:
+    see RedisStore."""
     from tiered_cache.stores.base import StoreUnavailableError
 
     try:
@@ -55,7 +56,8 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
               prefix=remote.prefix,
               ttl_s=int(remote.ttl_s) if remote.ttl_s is not None else None,
               put_queue_bytes=remote.put_queue_mib << 20,
-              record_bytes=records.header_len(num_tokens) + payload_bytes, cost=cost)
+              record_bytes=records.header_len(num_tokens) + payload_bytes, cost=cost,
+              delete_corrupt=delete_corrupt)
     try:
         return RedisStore(url, verify=True, **kw)
     except StoreUnavailableError as exc:
