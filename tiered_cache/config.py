@@ -663,6 +663,12 @@ class DaemonConfig(_Section):
     the daemon copies them into the pool). A client publishes at most this many at once."""
     log_format: str = "text"
     """text | json (one JSON object a line: for a log shipper)."""
+    page_pool_mib: int = 256
+    """Pages named by an engine's own keys (the `page_*` ops: SGLang's HiCache backend, the
+    vLLM secondary tier): MiB of shared memory per tenant and page format (0: no page ops)."""
+    page_disk_mib: int = 0
+    """MiB of disk per tenant and page format beneath its page pool, under
+    `<tiers.disk.path>/<tenant>/pages/` (0: pages live in memory and tiers.remote only)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket, str) or not self.socket.startswith("/") \
@@ -703,6 +709,8 @@ class DaemonConfig(_Section):
         _positive_int(self._key("max_clients"), self.max_clients, 65536)
         _positive_int(self._key("staging_blocks"), self.staging_blocks, 4096)
         _choice(self._key("log_format"), self.log_format, ("text", "json"))
+        _non_negative_int(self._key("page_pool_mib"), self.page_pool_mib, 1 << 24)
+        _non_negative_int(self._key("page_disk_mib"), self.page_disk_mib, 1 << 32)
 
 
 @dataclass

@@ -29,6 +29,8 @@ from tiered_cache.core.sequence import Sequence
 from tiered_cache.daemon.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
 from tiered_cache.daemon.leases import LeaseTable
 from tiered_cache.daemon.ops import make_protocol
+from tiered_cache.daemon.page_ops import PageService
+from tiered_cache.daemon.pages import PageHold
 from tiered_cache.daemon.partition import Partition, namespace_of
 from tiered_cache.daemon.peer import Allowlist, Peer
 from tiered_cache.daemon.protocol import Request
@@ -47,7 +49,8 @@ class ClientState:
     tenant: str
     partition: Partition
     staging: SharedPool | None = None
-    handles: dict[int, Sequence] = field(default_factory=dict)
+    handles: dict[int, Sequence | PageHold] = field(default_factory=dict)
+    page_staging: dict[int, SharedPool] = field(default_factory=dict)   # page space -> area
     reaped: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -65,6 +68,7 @@ class NodeService:
         self._lock = threading.Lock()
         self._handles = itertools.count(1)
         self.counters = {"reaped_clients": 0, "released_handles": 0, "reaped_handles": 0}
+        self.pages = PageService(config)
         self.leases = LeaseTable(d.lease_s, self._expired)
         allow = (Allowlist.of(d.allow_uids, d.allow_gids)
                  if d.allow_uids or d.allow_gids else None)
@@ -101,6 +105,7 @@ class NodeService:
             self._release_all(c)
         for p in list(self.partitions.values()):
             p.close(drain=drain)
+        self.pages.close()
 
     def partition(self, tenant: str) -> Partition:
         found = self.partitions.get(tenant)
@@ -150,11 +155,21 @@ class NodeService:
             handles = list(state.handles.values())
             state.handles.clear()
             staging, state.staging = state.staging, None
+            stagings = [staging, *state.page_staging.values()]
+            state.page_staging.clear()
         for seq in handles:
-            state.partition.release(seq)
-        if staging is not None:
-            staging.close()
+            self._release(state, seq)
+        for area in stagings:
+            if area is not None:
+                area.close()
         return len(handles)
+
+    @staticmethod
+    def _release(state: ClientState, held: Sequence | PageHold) -> None:
+        if isinstance(held, PageHold):
+            held.release()
+        else:
+            state.partition.release(held)
 
     # requests ---------------------------------------------------------------------------------
 
@@ -177,7 +192,7 @@ class NodeService:
             with state.lock:
                 seq = state.handles.pop(f["handle"], None)
             if seq is not None:
-                part.release(seq)
+                self._release(state, seq)
                 with self._lock:
                     self.counters["released_handles"] += 1
             return {"held": seq is not None}
@@ -194,7 +209,31 @@ class NodeService:
             return {"blocks": part.invalidate(f["root"], f["tokens"])}
         if op == "stats":
             return {"json": json.dumps(self.client_stats(state), default=str)}
+        if op.startswith("page_"):
+            return self._page_op(state, op, f)
         raise AssertionError(f"no handler for {op}")
+
+    def _page_op(self, state: ClientState, op: str, f: dict[str, Any]) -> Any:
+        if op == "page_attach":
+            return self.pages.attach(state, f)
+        if op == "page_exists":
+            return self.pages.exists(state, f)
+        if op == "page_put":
+            return self.pages.put(state, f)
+        assert op == "page_get", op
+        with state.lock:
+            if len(state.handles) >= MAX_HANDLES:
+                raise OverloadedError(f"{MAX_HANDLES} handles open: release some first")
+        hold, slots = self.pages.get(state, f)
+        if hold is None:
+            return {"handle": 0, "slots": []}
+        handle = next(self._handles)
+        with state.lock:
+            if not state.reaped:
+                state.handles[handle] = hold
+                return {"handle": handle, "slots": slots}
+        hold.release()                      # reaped while loading: give the pins back
+        raise LeaseExpiredError("the lease expired while loading pages")
 
     def _hello(self, peer: Peer) -> dict[str, Any]:
         tenant = self.tenant_of(peer)
@@ -244,6 +283,7 @@ class NodeService:
     def client_stats(self, state: ClientState) -> dict[str, Any]:
         """What a client may see: its own tenant's partition, and the service's counters."""
         return {"tenant": state.tenant, "partition": state.partition.stats(),
+                "pages": self.pages.stats(state.tenant),
                 "service": self.stats(partitions=False)}
 
     def stats(self, *, partitions: bool = True) -> dict[str, Any]:
@@ -257,6 +297,7 @@ class NodeService:
         }
         if partitions:
             out["partitions"] = {name: p.stats() for name, p in list(self.partitions.items())}
+            out["page_spaces"] = self.pages.stats()
         return out
 
     def healthy(self) -> tuple[bool, str]:

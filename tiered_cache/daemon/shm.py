@@ -205,6 +205,14 @@ class SharedPool:
     def slots(self, start: int, stop: int) -> torch.Tensor:
         return self.kv[start:stop]
 
+    def buffer(self) -> memoryview:
+        """The whole mapping as bytes (no copy): for pools of raw pages (daemon/pages.py), whose
+        geometry is not a KV shape. Read-only for a client given a read-only fd."""
+        if self._mmap is None:
+            raise RuntimeError("the pool is closed")
+        view = memoryview(self._mmap)
+        return view.toreadonly() if not self.writable else view
+
     # CUDA -------------------------------------------------------------------------------------
 
     def register_cuda(self, flags: int = 0) -> bool:
