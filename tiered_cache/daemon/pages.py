@@ -326,6 +326,7 @@ class PageSpace:
     def stats(self) -> dict:
         with self._lock:
             out = {"pages": len(self._index), "slots": self.geometry.num_slots,
+                   "pinned": sum(1 for p in self._index.values() if p.pins),
                    "page_bytes": self.page_bytes, **self.counts}
         if self.disk is not None:
             out["disk"] = self.disk.stats()

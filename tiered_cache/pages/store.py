@@ -13,7 +13,8 @@ other's pages.
   set is a hit only when every rank's part is there.
 - `get(keys, outs, part)`: fills `outs[i]` (a buffer or a list of pieces) with page i where
   a tier holds it, verified; True per page. A page that fails verification is a miss, and its
-  record is dropped in that tier, so the next put writes it again.
+  record is dropped in that tier, so the next put writes it again. Through the daemon only the
+  leading run is read (its reply is one pinned run: what an engine loads is a prefix).
 - `put(keys, payloads, part)`: writes the pages to every tier (disk synchronously, remote as
   one pipeline); True per page some tier holds afterwards.
 
