@@ -260,6 +260,17 @@ class PageDisk:
                 self._free.extend(slots)
         return len(slots)
 
+    def clear(self) -> int:
+        """Drop every page no one is reading (durably); returns how many."""
+        with self._lock:
+            keys = [k for k, e in self._index.items() if e.readers == 0]
+            slots = [self._index.pop(k).slot for k in keys]
+        if slots:
+            self.pool.erase(slots)
+            with self._lock:
+                self._free.extend(slots)
+        return len(slots)
+
     # ------------------------------------------------------------------ lifetime
     def stats(self) -> dict:
         c = self.counts
