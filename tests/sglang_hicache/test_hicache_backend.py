@@ -321,3 +321,14 @@ def test_another_process_finds_the_pages_through_the_daemon(tmp_path):
         read_all(cfg, want)
     finally:
         node.kill()
+
+
+def test_sidecar_host_pools_are_refused_at_attach(tmp_path):
+    pool = sgl.mha_pool("page_first")
+    b = sgl.backend(disk(tmp_path), pool)
+    b.register_mem_host_pool_v2(pool, "kv")
+    b.on_host_pools_registered()                        # the KV pool alone is fine
+    b.register_mem_host_pool_v2(sgl.mha_pool("page_first"), "mamba")
+    with pytest.raises(ConfigError, match="mamba"):
+        b.on_host_pools_registered()
+    b.close()

@@ -116,6 +116,7 @@ class TieredCacheTier(SecondaryTierManager):
         self._missing: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()
         self.counts = {"stores": 0, "stored_chunks": 0, "loads": 0, "loaded_chunks": 0,
                        "failed_loads": 0, "failed_stores": 0, "errors": 0}
+        self._counts_lock = threading.Lock()
         self._pending = 0
         self._idle = threading.Condition()
         self._queues = {"load": queue.SimpleQueue(), "store": queue.SimpleQueue()}
@@ -191,7 +192,7 @@ class TieredCacheTier(SecondaryTierManager):
                 # NOTE: never dies silently: the job fails (a load's chunks are recomputed,
                 # a store is simply not in this tier) and the thread carries on.
                 log.exception("tiered-cache secondary tier: %s job %d failed", kind, job_id)
-                self.counts["errors"] += 1
+                self._count(errors=1)
                 if kind == "load" and self._lookups is not None:
                     self._missing.put(keys)
                 result = JobResult(job_id=job_id, success=False)
@@ -205,30 +206,30 @@ class TieredCacheTier(SecondaryTierManager):
         todo = [i for i, h in enumerate(have) if not h]
         ok = self.store.put([keys[i] for i in todo], [self._row(chunks[i]) for i in todo],
                             PART) if todo else []
-        self.counts["stores"] += 1
-        self.counts["stored_chunks"] += sum(ok)
         success = all(ok)
-        if not success:
-            self.counts["failed_stores"] += 1
+        self._count(stores=1, stored_chunks=sum(ok), failed_stores=int(not success))
         return JobResult(job_id=job_id, success=success, transfer_bytes=len(todo) *
                          self.chunk_bytes)
 
     def _load(self, job_id: int, keys: list[OffloadKey], chunks: list[int]) -> JobResult:
         ok = self.store.get(keys, [self._row(c) for c in chunks], PART)
-        self.counts["loads"] += 1
         lead = ok.index(False) if False in ok else len(ok)
-        self.counts["loaded_chunks"] += lead
+        self._count(loads=1, loaded_chunks=lead, failed_loads=int(lead < len(keys)))
         if lead == len(keys):
             return JobResult(job_id=job_id, success=True,
                              transfer_bytes=lead * self.chunk_bytes)
         # NOTE: only the leading run is reported loaded: what vLLM loads is a prefix, and a
         # row after a miss is never claimed whatever it holds. The rest are marked missing so
         # the scheduler stops promoting them (vLLM #49176) and recomputes them.
-        self.counts["failed_loads"] += 1
         self._missing.put(keys[lead:])
         return JobResult(job_id=job_id, success=False,
                          successful_keys=tuple(keys[:lead]) if lead else None,
                          transfer_bytes=lead * self.chunk_bytes)
+
+    def _count(self, **deltas: int) -> None:
+        with self._counts_lock:
+            for k, v in deltas.items():
+                self.counts[k] += v
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if self._lookups is not None:
@@ -248,7 +249,9 @@ class TieredCacheTier(SecondaryTierManager):
             self._idle.wait_for(lambda: self._pending == 0)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "store": self.store.stats()}
+        with self._counts_lock:
+            counts = dict(self.counts)
+        return {**counts, "store": self.store.stats()}
 
     def shutdown(self) -> None:
         for q in self._queues.values():

@@ -105,6 +105,15 @@ class TieredCacheStorage(HiCacheStorage):
                  "zero copy: %s), tiers %s", self.part.decode(), pages.page_bytes, pages.layout,
                  pages.pieces_per_page, pages.zero_copy, [t.name for t in store.tiers])
 
+    def on_host_pools_registered(self) -> None:
+        """Refuse, at attach, host pools besides KV: their pages move through SGLang's v2
+        interface (batch_*_v2 with per-pool hit policies), which this backend does not serve."""
+        names = [str(n) for n in getattr(self, "registered_pools", {}) if str(n) != "kv"]
+        if names:
+            raise ConfigError(WHERE, f"host pools {names} (a hybrid model's sidecar state) need "
+                                     "SGLang's v2 storage interface, which tiered-cache's "
+                                     "backend does not serve yet: only the KV pool is stored")
+
     def _ready(self) -> tuple[PageStore, HostPages]:
         if self.store is None or self.pages is None:
             raise RuntimeError("the host pool is not registered yet (register_mem_pool_host)")
