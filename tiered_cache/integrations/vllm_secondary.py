@@ -109,7 +109,13 @@ class TieredCacheTier(SecondaryTierManager):
         self._rows = view if view.ndim == 1 else view.cast("B")
         self.chunk_bytes = self.block_size_bytes
         self.format = page_format(offloading_spec, self.chunk_bytes)
-        self.store = PageStore.from_config(self.settings, self.format, disk_dir="vllm")
+        # NOTE: a disk directory has one owner: each data-parallel replica's scheduler has its
+        # own; two engines on one node need two tiers.disk.path (or share the daemon's disk).
+        par = offloading_spec.config.parallel
+        dp = getattr(par, "data_parallel_index", 0) if getattr(par, "data_parallel_size", 1) > 1 \
+            else None
+        self.store = PageStore.from_config(self.settings, self.format,
+                                           disk_dir="vllm" if dp is None else f"vllm-dp{dp}")
         self._lookups = _Lookups(self, tier_type) if self.store.shared else None
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         # worker -> scheduler: keys to mark missing (the AsyncLookupManager is the scheduler's)
