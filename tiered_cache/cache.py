@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tiered_cache import assembly, shared_tiers
+from tiered_cache import admission, assembly, shared_tiers
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
 from tiered_cache.core import resize as resizing
@@ -81,6 +81,8 @@ class TieredKVCache:
         self.head_dim = model.head_dim
         self.has_storage = config.storage == "tensors"
         self.device = resolve_device(config.tiers.gpu.device) if self.has_storage else "cpu"
+        if self.has_storage:
+            admission.check_engine(config, self.device)   # before any tier is allocated
         self.block_bytes = config.block_bytes
         self.allow_non_finite = config.allow_non_finite_kv
         self.hasher = BlockHasher(

@@ -17,6 +17,13 @@ class ConfigError(TieredCacheError, ValueError):
         super().__init__(f"{path}: {message}" if path else message)
 
 
+class InsufficientMemoryError(ConfigError):
+    """What a configuration asks for does not fit in what this machine can give (memory or disk
+    space), checked at start before anything was allocated. Its path names the key(s) that
+    sized the tiers; its message the bytes asked and available. A ConfigError, not a
+    CapacityError: no request can end the shortage, only another config (or `overcommit`)."""
+
+
 class CapacityError(TieredCacheError):
     """A tier cannot hold what was asked: every slot is pinned or in flight."""
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from tiered_cache import assembly, costs, kernels
+from tiered_cache import admission, assembly, costs, kernels
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
 from tiered_cache.core.blocks import NO_BLOCK
@@ -114,18 +114,31 @@ def namespace_of(config: CacheConfig) -> Namespace:
                      model.head_dim, int(config.block_size), None)
 
 
-class Partition:
-    """A tenant's tiers. Thread-safe: every method may run on any connection's thread."""
+def pool_geometry(config: CacheConfig) -> PoolGeometry:
+    """A partition's shared pool: `tiers.host` sized by the pool's slot stride (a block's KV
+    rounded up to whole pages), so that the pool fits in the capacity it was given."""
+    m, bs = config.model, int(config.block_size)
+    stride = PoolGeometry(1, m.num_layers, bs, m.num_kv_heads, m.head_dim, m.dtype).slot_stride
+    return PoolGeometry(tier_num_blocks(config, "host", slot_bytes=stride), m.num_layers, bs,
+                        m.num_kv_heads, m.head_dim, m.dtype)
 
-    def __init__(self, tenant: str, config: CacheConfig) -> None:
+
+class Partition:
+    """A tenant's tiers. Thread-safe: every method may run on any connection's thread.
+
+    `existing`: partitions the daemon already has (their pools are no longer available memory;
+    the admission check names them)."""
+
+    def __init__(self, tenant: str, config: CacheConfig, *, existing: int = 0) -> None:
         self.tenant = tenant
         self.health = ThreadHealth()
         model = config.model
         self.block_size = bs = int(config.block_size)
         self.num_layers = model.num_layers
         self.hasher = BlockHasher(namespace_of(config))
-        self.geometry = PoolGeometry(tier_num_blocks(config, "host"), model.num_layers, bs,
-                                     model.num_kv_heads, model.head_dim, model.dtype)
+        self.geometry = pool_geometry(config)
+        admission.check_partitions(config, [tenant], self.geometry.nbytes,
+                                   self.geometry.num_slots, existing=existing)
         self.shared = SharedPool.create(self.geometry, name=f"host-{tenant}")
         self.pools: list = [ShmHostPool(self.shared)]
         self.remote = None          # data/remote_tier.RemoteTier when tiers.remote is set
