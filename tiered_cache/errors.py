@@ -88,3 +88,15 @@ class KVValueError(TieredCacheError, ValueError):
 
 class ArgumentError(TieredCacheError, ValueError, TypeError):
     """A call argument has the wrong type or is out of range (e.g. `resize("gpu", 0)`)."""
+
+
+class IdentityError(TieredCacheError, ValueError):
+    """KV would be reused or published under another identity than the one it was computed
+    under: a forward whose attention mask or positions differ from those the sequence was
+    opened with, KV computed from embeddings (no token ids to key it by), or KV written outside
+    a forward of the model the sequence was opened for. Raised before anything is written."""
+
+
+class UnsupportedError(TieredCacheError, NotImplementedError):
+    """A use the integration cannot serve correctly, refused before anything is written:
+    assisted decoding (which needs `crop`), beam search, layers that are not full attention."""
