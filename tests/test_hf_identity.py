@@ -219,7 +219,9 @@ def test_explicit_position_ids_are_keyed(model, cache):
         ref = model(ids, position_ids=shifted).logits
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
     past.close()
-    assert TieredCache(cache, ids, model=model).num_cached_tokens == 0
+    plain = TieredCache(cache, ids, model=model)
+    assert plain.num_cached_tokens == 0
+    plain.close()
 
 
 def test_inputs_embeds_are_refused(model, cache):
@@ -320,6 +322,19 @@ def test_weights_id_names_weights_that_cannot_be_read(cache):
     past.close()
     with pytest.raises(ArgumentError, match="weights_id"):
         TieredCache(cache, ids, model=a, weights_id="")
+
+
+def test_adapter_id_is_checked_before_it_is_folded_in(model, cache):
+    from tiered_cache.errors import TokenError
+
+    with pytest.raises(TokenError, match="adapter_id"):
+        TieredCache(cache, [1, 2, 3], model=model, adapter_id="bad\nid")
+    a = TieredCache(cache, prompt(40, 23), model=model, adapter_id="lora-a")
+    prefill(model, a)
+    a.close()
+    b = TieredCache(cache, prompt(40, 23), model=model, adapter_id="lora-b")
+    assert b.num_cached_tokens == 0
+    b.close()
 
 
 def test_model_is_required(cache):
@@ -455,3 +470,13 @@ def test_pad_equal_to_eos_infers_no_mask(model):
     m.generation_config.eos_token_id = PAD
     ids = np.array([5, PAD, 6])
     assert Layout.of(ids, m).canonical
+
+
+def test_fingerprint_samples_the_ends_of_a_large_tensor():
+    """Evenly strided over the whole tensor, first and last element included (an index
+    computed in float32 ran past the end of SmolLM2's 28M-element embedding)."""
+    big = torch.nn.Linear(1, 28_311_552, bias=False)
+    a = hf_identity.weights_fingerprint(big)
+    with torch.no_grad():
+        big.weight[-1] += 1.0
+    assert hf_identity.weights_fingerprint(big) != a

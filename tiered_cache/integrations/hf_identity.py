@@ -67,7 +67,9 @@ def _sample(name: str, t: torch.Tensor) -> bytes:
     flat = t.detach().reshape(-1)
     n = flat.numel()
     if n > SAMPLE_ELEMENTS:
-        idx = torch.linspace(0, n - 1, SAMPLE_ELEMENTS, device=flat.device).round().long()
+        # integer strides: a float linspace rounds past the end of a 28M-element tensor
+        idx = torch.arange(SAMPLE_ELEMENTS, device=flat.device) * (n - 1) // (
+            SAMPLE_ELEMENTS - 1)
         flat = flat[idx]
     flat = flat.cpu().contiguous()
     try:

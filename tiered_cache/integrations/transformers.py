@@ -46,7 +46,7 @@ import sys
 import numpy as np
 import torch
 
-from tiered_cache.cache import TieredKVCache
+from tiered_cache.cache import TieredKVCache, _check_adapter
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.data.pools import TORCH_DTYPES
 from tiered_cache.errors import (
@@ -249,6 +249,7 @@ class TieredCache(Cache):
         ids = _as_ids(input_ids)
         if ids.numel() == 0:
             raise ValueError("input_ids: the prompt is empty")
+        _check_adapter(adapter_id)          # folded into the composed id: checked here
         hf_identity.check_geometry(model, cache.num_layers, cache.num_kv_heads, cache.head_dim)
         layout = Layout.of(ids.numpy(), model, attention_mask, position_ids)
         weights = weights_id if weights_id is not None else hf_identity.weights_fingerprint(model)
