@@ -348,3 +348,21 @@ def test_daemon_disk_per_tenant_is_checked_against_the_filesystem(small_disk, ra
                        overcommit=["disk"])
     assert sizing.tier_num_blocks(ok, "disk") == 5 * MiB // (4096 + BLOCK)
     assert os.path.exists(small_disk.root)
+
+
+def test_daemon_partition_disk_percent_keeps_its_size_across_restarts(small_disk, ram):
+    """A partition's `"80%"` disk tier counts its own directory's files as room on restart
+    (they live under <path>/<tenant>/), so it neither shrinks nor cuts records off."""
+    from tiered_cache.daemon.partition import Partition
+
+    ram.available = 1 << 34
+    disk = {"path": str(small_disk.root / "disk"), "capacity": "80%"}
+    cfg = daemon_config(small_disk.root, 64, disk=disk)
+    sizes = []
+    for _ in range(2):
+        part = Partition("t", cfg)
+        try:
+            sizes.append(part.stats()["tiers"]["disk"]["capacity_blocks"])
+        finally:
+            part.close(drain=False)
+    assert sizes[0] == sizes[1] == int(0.8 * small_disk.size) // (4096 + BLOCK)

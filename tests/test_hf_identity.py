@@ -209,6 +209,22 @@ def test_positions_other_than_the_sequence_are_refused(model, cache):
     past.close()
 
 
+def test_padded_prompt_through_chunked_generate_and_plain_forwards(model, cache):
+    ids, mask = left_padded(120, 9, 24)
+    ref = reference(model, ids, attention_mask=mask)
+    past = TieredCache(cache, ids, model=model, attention_mask=mask)
+    out = model.generate(ids, attention_mask=mask, cache=past, prefill_chunk_size=32, **GEN)
+    assert_same(out, ref)
+    past.close()
+    past = TieredCache(cache, ids, model=model, attention_mask=mask)
+    assert past.num_cached_tokens == 112
+    with torch.no_grad():                           # a plain forward, told the identity
+        logits = model(past.uncached_input_ids(), cache=past,
+                       **past.forward_kwargs(120 - 112)).logits
+    torch.testing.assert_close(logits[:, -1], ref.logits[0], atol=ATOL, rtol=0)
+    past.close()
+
+
 def test_explicit_position_ids_are_keyed(model, cache):
     ids = prompt(64, 8)
     shifted = torch.arange(100, 164).unsqueeze(0)

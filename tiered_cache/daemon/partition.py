@@ -146,7 +146,7 @@ class Partition:
         keyed: list[TierSpec] = []
         try:
             disk = config.tiers.disk
-            n_disk = tier_num_blocks(config, "disk") if disk is not None else 0
+            n_disk = tier_num_blocks(config, "disk", tenant=tenant) if disk is not None else 0
             if n_disk:
                 from tiered_cache.data.disk_tier import DiskTier
 
