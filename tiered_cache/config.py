@@ -195,8 +195,9 @@ def _key_text(key: Any) -> str:
 
 def _overcommit(v: Any) -> None:
     names = ("gpu", "host", "disk")
-    if not isinstance(v, list) or len(v) > len(names) or len(set(map(repr, v))) != len(v) \
-            or not all(isinstance(x, str) and x in names for x in v):
+    # NOTE: item types first: a set of YAML-aliased nested lists must never be built or repr'd
+    if not isinstance(v, list) or len(v) > len(names) \
+            or not all(isinstance(x, str) and x in names for x in v) or len(set(v)) != len(v):
         raise ConfigError("overcommit", f"expected a list of distinct tier names from "
                                         f"{', '.join(names)} (tiers allowed to ask for more "
                                         f"than this machine can give), got {short_repr(v)}")
