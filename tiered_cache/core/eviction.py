@@ -30,14 +30,14 @@ _SEEN_MAX = 1 << 16
 """Keys of blocks turned away from a tier remembered for admission (a second sighting admits)."""
 
 
-def _no_copy(plan: list[Transfer]) -> None:
+def no_copy(plan: list[Transfer]) -> None:
     """The copy executor of a metadata-only index: nothing to copy."""
 
 
 @dataclass(slots=True, eq=False, repr=False)
 class Space:
     ix: BlockIndex                  # the owner: block state, `_refresh`, `copies`
-    run: Run = _no_copy             # runs a synchronous eviction's demotion copies (lock held)
+    run: Run = no_copy              # runs a synchronous eviction's demotion copies (lock held)
     on_pressure: Callable[[], None] | None = None
     """Told (lock held) when the device tier is used above `high_watermark` (the migrator)."""
     high_watermark: float = 1.0     # fraction of the device tier that triggers on_pressure
@@ -85,15 +85,15 @@ class Space:
         drained frees no slot anyone can have (the allocator retires it), so those blocks are
         not room either (conservative again: a pinned tail block is subtracted twice).
         """
-        ix = self.ix
-        tier = ix.tiers[t]
+        tier = self.ix.tiers[t]
         a = tier.allocator
         return (a.num_free + a.num_used - a.draining - tier.pinned_blocks - tier.reserved
                 - tier.busy)
 
     def check_room(self, t: int, n: int, extra_pinned: int = 0) -> None:
-        ix = self.ix
-        tier = ix.tiers[t]
+        """Raise CapacityError (transient when copies under way will free enough) unless tier t
+        can provide n slots with `extra_pinned` more of its blocks pinned."""
+        tier = self.ix.tiers[t]
         room = self.room(t) - extra_pinned
         if room < n:
             exc = CapacityError(
@@ -127,16 +127,15 @@ class Space:
         """Allocate n slots of tier t as destinations of copies under way (not yet owned);
         each is later given to a block (`set_slot`/`move_copy`) or freed (`free_slot`), and
         `unreserve` called once per slot either way."""
-        ix = self.ix
         slots = self.allocate(t, n)
-        ix.tiers[t].reserved += len(slots)
+        self.ix.tiers[t].reserved += len(slots)
         return slots
 
     def reserve_at(self, t: int, slot: int) -> None:
         """`reserve` of one given free slot (the compactor picks its destinations)."""
-        ix = self.ix
-        ix.tiers[t].allocator.allocate_at(slot)
-        ix.tiers[t].reserved += 1
+        tier = self.ix.tiers[t]
+        tier.allocator.allocate_at(slot)
+        tier.reserved += 1
 
     def unreserve(self, t: int, n: int = 1) -> None:
         self.ix.tiers[t].reserved -= n

@@ -59,7 +59,7 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import _NO_IDS, BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.copies import Copies
-from tiered_cache.core.eviction import Space, _no_copy
+from tiered_cache.core.eviction import Space, no_copy
 from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedTiers
 from tiered_cache.core.persist import Persistence
@@ -156,7 +156,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         self.lookups = HoldStats()
         self.readers_done = threading.Condition()
         self.copies = Copies(self)
-        self.space = Space(self, run if run is not None else _no_copy, on_pressure,
+        self.space = Space(self, run if run is not None else no_copy, on_pressure,
                            high_watermark)
         # The slot tier a staged keyed tier (remote) lands its loads in before the device.
         stage_tier = next((t.index for t in self.tiers if t.kind == "host"), None)

@@ -9,7 +9,8 @@ where it was. Tier numbers are parameters: gpu -> host and host -> disk demotion
 code.
 
 Every function here takes the index's lock (re-entrant) and changes state only through the
-index's public methods; none writes a block or tier field itself.
+index's parts (`idx.copies`: where copies are; `idx.space`: reservations, victims, admission;
+`idx.persist.record_meta`); none writes a block or tier field itself.
 
 NOTE: a block can change while its copy runs: an open() may pin it, an invalidate() may drop it.
 Commits re-check: a dropped block's slots are freed here (drop defers them while in flight), a
@@ -51,7 +52,7 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
         if target is not None and target.admit_min_hits:
             admitted = [v for v in need if idx.space.admits(dst, v)]
             for v in set(need).difference(admitted):
-                idx.space.turned_away(v)          # dropped below, remembered for next time
+                idx.space.turned_away(v)    # dropped below, remembered for next time
             need = admitted
         # Ascending source slots paired with ascending destination slots: adjacent blocks merge
         # into one large copy (transfer.group sorts by source slot).
