@@ -59,7 +59,7 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import _NO_IDS, BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.copies import Copies
-from tiered_cache.core.eviction import Space, no_copy
+from tiered_cache.core.eviction import Run, Space, no_copy
 from tiered_cache.core.inflight import InFlight
 from tiered_cache.core.keyed import KeyedTiers
 from tiered_cache.core.persist import Persistence
@@ -82,7 +82,6 @@ from tiered_cache.policies.base import CachePolicy
 __all__ = ["COUNTERS", "DEVICE", "BlockIndex", "BlockInfo", "Counters", "Promote", "Worth"]
 
 PolicyFactory = Callable[[int, BlockTable], CachePolicy]
-Run = Callable[[list[Transfer]], None]
 Promote = Callable[[list[Transfer], LayerReadiness], None]
 
 
