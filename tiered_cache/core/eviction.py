@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
-from tiered_cache.core.state import DEVICE
+from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import CapacityError, TransferError
 

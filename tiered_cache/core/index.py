@@ -65,8 +65,8 @@ from tiered_cache.core.keyed import KeyedTiers
 from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import BROKEN, Sequence
-from tiered_cache.core.state import COUNTERS, DEVICE, BlockState, Counters, Worth
-from tiered_cache.core.tier import KeyedState, TierSpec, TierState
+from tiered_cache.core.state import COUNTERS, BlockState, Counters, Worth
+from tiered_cache.core.tier import DEVICE, KeyedState, TierSpec, TierState
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.core.tree import BlockTree
 from tiered_cache.errors import (

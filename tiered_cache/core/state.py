@@ -33,9 +33,6 @@ if TYPE_CHECKING:
     from tiered_cache.hashing import BlockHasher
     from tiered_cache.locking import HoldStats, TimedLock
 
-DEVICE = 0
-"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
-
 Worth = Callable[[int, int, int], bool]
 """worth(tier, nblocks, context_blocks): loading nblocks from that tier beats recomputing them
 after context_blocks cached blocks (tiered_cache.costs)."""

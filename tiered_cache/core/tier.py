@@ -11,6 +11,9 @@ from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.policies.base import CachePolicy
 
+DEVICE = 0
+"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
+
 
 @dataclass(frozen=True)
 class TierSpec:
