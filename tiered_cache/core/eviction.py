@@ -107,10 +107,10 @@ class Space:
     def allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
         """n free slots of tier t, evicting by policy when needed (lock held by the caller).
         Raises CapacityError, changing nothing, when the tier cannot provide them."""
-        ix = self.ix
-        tier = ix.tiers[t]
         if n <= 0:
             return []
+        ix = self.ix
+        tier = ix.tiers[t]
         if tier.allocator.num_free < n:
             self.check_room(t, n)
             if t == DEVICE:
