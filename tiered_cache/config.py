@@ -193,6 +193,16 @@ def _key_text(key: Any) -> str:
     return short_repr(key)
 
 
+def _overcommit(v: Any) -> None:
+    names = ("gpu", "host", "disk")
+    # NOTE: item types first: a set of YAML-aliased nested lists must never be built or repr'd
+    if not isinstance(v, list) or len(v) > len(names) \
+            or not all(isinstance(x, str) and x in names for x in v) or len(set(v)) != len(v):
+        raise ConfigError("overcommit", f"expected a list of distinct tier names from "
+                                        f"{', '.join(names)} (tiers allowed to ask for more "
+                                        f"than this machine can give), got {short_repr(v)}")
+
+
 class _Section:
     """Mixin: a config section that knows its key path in the tree."""
 
@@ -813,6 +823,9 @@ class CacheConfig(_Section):
     """tensors | none (metadata only: simulation, trace replay)."""
     adapter_id: str | None = None
     """LoRA/adapter id; part of the block-hash namespace: printable, at most MAX_NAME_CHARS."""
+    overcommit: list = field(default_factory=list)
+    """Tiers (gpu, host, disk) allowed to ask for more than this machine can give at start;
+    the others are refused with InsufficientMemoryError (tiered_cache/admission.py)."""
     migrator: MigratorConfig = field(default_factory=MigratorConfig)
     compactor: CompactorConfig = field(default_factory=CompactorConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
@@ -835,6 +848,7 @@ class CacheConfig(_Section):
         _bool("share_inflight", self.share_inflight)
         _choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
+        _overcommit(self.overcommit)
         for name in ("migrator", "compactor", "kernels", "metrics", "cost_model", "daemon"):
             self._nested(name)
 
@@ -1101,6 +1115,7 @@ allow_non_finite_kv: false  # store KV with NaN/inf (off: write() refuses it; co
 share_inflight: false     # open() takes prompt blocks other open sequences are computing
 storage: tensors          # tensors | none (metadata only: simulation and trace replay)
 adapter_id: null          # LoRA/adapter id; part of the hash namespace
+overcommit: []            # tiers that may ask for more memory/disk than the machine has free
 
 migrator:
   enabled: true           # run the background migrator

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import reprlib
+import stat
 from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,12 +211,62 @@ def disk_free_bytes(path: str | None) -> int:
     return int(shutil.disk_usage(p).free)
 
 
-def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> int:
-    """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or, for a
-    `"%"` capacity, fraction * free // block_bytes. `free` defaults to the free memory of the
-    tier's device (gpu: its resolved device; host: `"cpu"`). At least one block for gpu; host may
-    get 0 (no host tier). More than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
-    or a share of a large machine can exceed it with small blocks."""
+def tier_slot_bytes(config: CacheConfig, tier: str) -> int:
+    """Bytes one slot of `tier` takes where it lives: a block's KV (and fp8 scales) in memory;
+    on disk, a record's header area plus its payload area, each aligned to 4 KiB
+    (data/disk_layout.py). A capacity is divided by this, so that the tier fits in it."""
+    if tier == "disk":
+        from tiered_cache.data.disk_layout import slot_footprint
+
+        return slot_footprint(int(config.block_size), config.block_bytes)
+    return config.block_bytes
+
+
+def disk_pool_dir(config: CacheConfig, tenant: str | None = None) -> Path | None:
+    """The directory the disk tier's files of this config's namespace live in:
+    `tiers.disk.path[/<tenant>]/<namespace hex>` (data/disk.py; a daemon partition's disk
+    directory is named after its tenant). None without a disk path."""
+    disk = config.tiers.disk
+    if disk is None or disk.path is None:
+        return None
+    from tiered_cache.hashing import BlockHasher, Namespace
+
+    m = config.model
+    ns = Namespace(m.name, m.dtype, m.num_layers, m.num_kv_heads, m.head_dim,
+                   int(config.block_size), None)
+    root = Path(disk.path) if tenant is None else Path(disk.path) / tenant
+    return root / BlockHasher(ns).namespace_digest().hex()
+
+
+def disk_held_bytes(directory: Path | None) -> int:
+    """Bytes the disk tier's own files (from an earlier run: superblock, lock, header table,
+    payloads) already take in `directory`: reopening the pool reuses them, so they count as
+    room for it."""
+    held = 0
+    try:
+        entries = list(directory.iterdir()) if directory is not None else []
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            st = entry.lstat()
+            if stat.S_ISREG(st.st_mode):
+                held += st.st_blocks * 512
+        except OSError:
+            pass
+    return held
+
+
+def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None, *,
+                    slot_bytes: int | None = None, tenant: str | None = None) -> int:
+    """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // slot bytes, or, for a
+    `"%"` capacity, fraction * free // slot bytes. Slot bytes: `tier_slot_bytes` unless given
+    (the daemon's shared pool rounds slots to pages). `free` defaults to the free memory of the
+    tier's device (gpu: its resolved device; host: `"cpu"`), for the disk to the free space at
+    its path plus what its own files already hold there (`tenant`: a daemon partition's). At
+    least one block for gpu; host may get 0 (no host tier). More than MAX_NUM_BLOCKS blocks
+    raises ConfigError: a capacity in bytes or a share of a large machine can exceed it with
+    small blocks."""
     if tier not in ("gpu", "host", "disk"):
         raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'host' or 'disk'")
     tcfg = getattr(config.tiers, tier)
@@ -224,7 +275,7 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> 
     if tcfg.num_blocks is not None:
         return tcfg.num_blocks
     path = f"tiers.{tier}.capacity"
-    block = config.block_bytes
+    block = tier_slot_bytes(config, tier) if slot_bytes is None else slot_bytes
     kind, value = parse_size(tcfg.capacity, path)
     if kind == "bytes":
         n = int(value) // block
@@ -232,15 +283,19 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> 
     else:
         if free is None:
             if tier == "disk":
-                free = disk_free_bytes(tcfg.path)
+                # NOTE: a restart must find the room its own files take, or every restart of
+                # an "80%" tier would shrink it (and cut off the records past the new end).
+                free = disk_free_bytes(tcfg.path) + disk_held_bytes(disk_pool_dir(config,
+                                                                                  tenant))
             else:
                 free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
         n = int(value * free) // block
         what = f"{tcfg.capacity!r} of {free:,} free bytes"
+    unit = "slots of" if tier == "disk" else "blocks of"
     if tier == "gpu" and n < 1:
         raise ConfigError(path, f"{what} holds no block of {block:,} bytes")
     if n > MAX_NUM_BLOCKS:
-        raise ConfigError(path, f"{what} is {n:,} blocks of {block:,} bytes, more than the "
+        raise ConfigError(path, f"{what} is {n:,} {unit} {block:,} bytes, more than the "
                                 f"{MAX_NUM_BLOCKS:,} a tier may have (use larger blocks)")
     return n
 

@@ -50,6 +50,7 @@ class PageService:
                                      f"of {page_bytes:,} bytes: page ops are off")
             if sum(1 for t, _, _ in self._spaces if t == tenant) >= MAX_SPACES:
                 raise OverloadedError(f"tenant {tenant} already has {MAX_SPACES} page formats")
+            self._admit(tenant, digest, slots * stride, page_bytes)
             space = PageSpace(tenant, digest, page_bytes, num_slots=slots,
                               staging_slots=d.staging_blocks, disk=self._disk(tenant, digest,
                                                                               page_bytes),
@@ -62,6 +63,31 @@ class PageService:
             log.info("page space %d: tenant %s, format %s, %d pages of %d bytes", sid, tenant,
                      digest.hex(), slots, page_bytes)
             return sid, space
+
+    def _admit(self, tenant: str, digest: bytes, pool_bytes: int, page_bytes: int) -> None:
+        """The memory admission check (tiered_cache.admission) of a new space, before its pool
+        is allocated: its shared memory, and its disk when it has one."""
+        from tiered_cache import admission
+
+        d = self.config.daemon
+        asks = [admission.Ask("host", "daemon.page_pool_mib", pool_bytes, admission.HOST,
+                              f"the page pool of tenant {tenant!r} for a new page format "
+                              f"({page_bytes:,}-byte pages)")]
+        if d.page_disk_mib:
+            from pathlib import Path
+
+            from tiered_cache.sizing import disk_held_bytes
+
+            path = os.path.join(self.config.tiers.disk.path, tenant, "pages")
+            held = disk_held_bytes(Path(path) / digest.hex())      # reopened, not grown
+            asks.append(admission.Ask("disk", "daemon.page_disk_mib", d.page_disk_mib << 20,
+                                      "disk", f"the page disk of tenant {tenant!r}", path,
+                                      held=held))
+        try:
+            admission.check(asks, self.config.overcommit,
+                            context=f" ({len(self._spaces)} page space(s) exist already)")
+        except ConfigError as exc:
+            raise PageSpaceError(str(exc)) from None
 
     def _format(self, digest: bytes, page_bytes: int) -> identity.PageFormat:
         """A stand-in format whose digest is the client's: the daemon never learns the

@@ -24,6 +24,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered_cache import admission
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.daemon.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
@@ -31,7 +32,7 @@ from tiered_cache.daemon.leases import LeaseTable
 from tiered_cache.daemon.ops import make_protocol
 from tiered_cache.daemon.page_ops import PageService
 from tiered_cache.daemon.pages import PageHold
-from tiered_cache.daemon.partition import Partition, namespace_of
+from tiered_cache.daemon.partition import Partition, namespace_of, pool_geometry
 from tiered_cache.daemon.peer import Allowlist, Peer
 from tiered_cache.daemon.protocol import Request
 from tiered_cache.daemon.shm import PoolGeometry, SharedPool
@@ -61,6 +62,10 @@ class NodeService:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         d = config.daemon
+        tenants = self._known_tenants()
+        geometry = pool_geometry(config)
+        # every partition built at start, checked together before the first is allocated
+        admission.check_partitions(config, tenants, geometry.nbytes, geometry.num_slots)
         self.namespace = BlockHasher(namespace_of(config)).namespace_digest()
         self.partitions: dict[str, Partition] = {}
         self._build = threading.Lock()
@@ -77,14 +82,18 @@ class NodeService:
                                           socket_mode=d.socket_mode),
                              disconnected=self._disconnected)
         self.started = time.time()
-        # Partitions are built at start for every tenant that can be known in advance (so that
-        # a client's hello does not wait for a pool to be mapped and a disk to be recovered):
-        # the configured ones, and the daemon's own user's when only it is admitted.
-        tenants = set(d.tenants.values())
-        if allow is None:
-            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
-        for tenant in sorted(tenants):
+        for tenant in tenants:
             self.partition(tenant)
+
+    def _known_tenants(self) -> list[str]:
+        """Partitions are built at start for every tenant that can be known in advance (so that
+        a client's hello does not wait for a pool to be mapped and a disk to be recovered):
+        the configured ones, and the daemon's own user's when only it is admitted."""
+        d = self.config.daemon
+        tenants = set(d.tenants.values())
+        if not d.allow_uids and not d.allow_gids:
+            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
+        return sorted(tenants)
 
     # lifetime ---------------------------------------------------------------------------------
 
@@ -114,7 +123,7 @@ class NodeService:
         with self._build:
             found = self.partitions.get(tenant)
             if found is None:
-                found = Partition(tenant, self.config)
+                found = Partition(tenant, self.config, existing=len(self.partitions))
                 self.partitions[tenant] = found
                 log.info("partition %s", found.describe())
             return found
