@@ -245,3 +245,20 @@ def test_random_page_requests_never_hurt_the_daemon(node):
     s = json.loads(c.call("stats")["json"])
     assert s["service"]["server"]["failures"] == {}             # no handler ever crashed
     c.close()
+
+
+def test_a_page_pool_the_machine_cannot_give_is_refused_at_attach(tmp_path):
+    cfg, sock = write_config(tmp_path, page_pool_mib=1 << 23, page_disk_mib=0)    # 8 TiB
+    node = NodeProcess(cfg, sock, log_path=tmp_path / "daemon.log").start()
+    try:
+        c = Client(sock, make_protocol(), timeout_s=10).connect()
+        c.call("hello")
+        with pytest.raises(PageSpaceError, match="daemon.page_pool_mib"):
+            c.request("page_attach", {"version": 1, "format": FMT.digest(), "page_bytes": PB})
+        c.close()
+        st = store(sock)                        # the engine's page store: misses, no error
+        assert st.put(["a"], [page("a")], PART) == [False]
+        assert st.exists(["a"], PART) == 0
+        st.close()
+    finally:
+        node.kill()
