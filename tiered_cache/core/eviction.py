@@ -9,11 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import CapacityError, TransferError
-
-DEVICE = 0
-
 
 _SEEN_MAX = 1 << 16
 """Keys of blocks turned away from a tier remembered for admission (a second sighting admits)."""

@@ -51,7 +51,7 @@ from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import BROKEN, Sequence
 from tiered_cache.core.slots import SlotOps
-from tiered_cache.core.tier import KeyedState, TierSpec, TierState
+from tiered_cache.core.tier import DEVICE, KeyedState, TierSpec, TierState
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import (
     BusySequenceError,
@@ -69,10 +69,6 @@ Promote = Callable[[list[Transfer], LayerReadiness], None]
 Worth = Callable[[int, int, int], bool]
 """worth(tier, nblocks, context_blocks): loading nblocks from that tier beats recomputing them
 after context_blocks cached blocks (tiered_cache.costs)."""
-
-DEVICE = 0
-"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
-
 
 @dataclass
 class Counters:
@@ -164,11 +160,14 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                                         policy(spec.num_slots, self.blocks),
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
-                                        admit_min_hits=spec.admit_min_hits))
-        self.stage_tier = next((t.index for t in self.tiers if t.kind == "host"), None)
+                                        admit_min_hits=spec.admit_min_hits,
+                                        stages_records=spec.stages_records,
+                                        zero_copy=spec.zero_copy,
+                                        whole_records=spec.whole_records))
+        self.stage_tier = next((t.index for t in self.tiers if t.stages_records), None)
         """The slot tier a staged keyed tier (remote) lands its loads in before the device."""
         self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k, staged=spec.staged,
-                                 put_from=spec.put_from)
+                                 put_from=spec.put_from, whole_records=spec.whole_records)
                       for k, spec in enumerate(keyed)]
         self.worth = worth
         self.prefix: dict[bytes, int] = {}
@@ -632,7 +631,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                     # NOTE: the fastest copy below the device, the one the promotion reads.
                     src = next((i for i in range(1, len(slots)) if slots[i][b] != NO_SLOT),
                                -1)
-                    if src < 0 or self.tiers[src].kind != "host":
+                    if src < 0 or not self.tiers[src].zero_copy:
                         # Only a host copy can be read in place; the facade waits for layers
                         # of promotions staged from disk before it builds tables.
                         self._unhold(held)

@@ -24,9 +24,8 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
+from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import RecordMeta, Transfer
-
-DEVICE = 0
 
 
 class KeyedOps:
