@@ -1,4 +1,4 @@
-"""The node service: the handlers of daemon/ops.py over the tenants' partitions.
+"""The node service: the handlers of wire/ops.py over the tenants' partitions.
 
 Who a client is comes from the kernel (SO_PEERCRED, checked against the allowlist by the
 transport); which tenant it belongs to from `daemon.tenants` ("uid:N" / "gid:N" -> name; by
@@ -26,15 +26,15 @@ from typing import Any
 
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.daemon.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
 from tiered_cache.daemon.leases import LeaseTable
-from tiered_cache.daemon.ops import make_protocol
 from tiered_cache.daemon.partition import Partition, namespace_of
-from tiered_cache.daemon.peer import Allowlist, Peer
-from tiered_cache.daemon.protocol import Request
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-from tiered_cache.daemon.transport import Response, Server, ServerConfig
 from tiered_cache.hashing import BlockHasher, tenant_salt
+from tiered_cache.wire.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
+from tiered_cache.wire.ops import make_protocol
+from tiered_cache.wire.peer import Allowlist, Peer
+from tiered_cache.wire.protocol import Request
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
+from tiered_cache.wire.transport import Response, Server, ServerConfig
 
 log = logging.getLogger(__name__)
 
