@@ -185,8 +185,8 @@ def resolve_device(device: str) -> str:
 
 def free_bytes(device: str) -> int:
     """Free memory that a `"%"` capacity applies to: available host memory (psutil) for
-    `"cpu"`/`"host"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
-    if device in ("cpu", "host"):
+    `"cpu"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
+    if device == "cpu":
         import psutil
 
         return int(psutil.virtual_memory().available)
@@ -211,16 +211,19 @@ def disk_free_bytes(path: str | None) -> int:
 
 
 def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> int:
-    """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or, for a
-    `"%"` capacity, fraction * free // block_bytes. `free` defaults to the free memory of the
-    tier's device (gpu: its resolved device; host: `"cpu"`). At least one block for gpu; host may
-    get 0 (no host tier). More than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
-    or a share of a large machine can exceed it with small blocks."""
-    if tier not in ("gpu", "host", "disk"):
-        raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'host' or 'disk'")
-    tcfg = getattr(config.tiers, tier)
+    """Blocks a slot tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or,
+    for a `"%"` capacity, fraction * free // block_bytes. `free` defaults to what the tier's
+    section says a share is of (`free_bytes`: the device's free memory, the host's available
+    memory, the disk's free space). Fewer than the section's `MIN_BLOCKS` (1 for the device
+    tier; 0, no tier, for the others) or more than MAX_NUM_BLOCKS blocks raises ConfigError: a
+    capacity in bytes or a share of a large machine can exceed it with small blocks."""
+    tcfg = getattr(config.tiers, tier, None) if isinstance(tier, str) else None
+    if tcfg is None and (not isinstance(tier, str) or not hasattr(config.tiers, tier)):
+        raise ValueError(f"unknown tier {tier!r}; tiers: {list(config.tiers.to_dict())}")
     if tcfg is None:                    # an optional tier that is not configured
         return 0
+    if not hasattr(tcfg, "num_blocks") or not hasattr(tcfg, "capacity"):
+        raise ValueError(f"tier {tier!r} has no size in slots (a keyed tier)")
     if tcfg.num_blocks is not None:
         return tcfg.num_blocks
     path = f"tiers.{tier}.capacity"
@@ -231,13 +234,10 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> 
         what = f"{tcfg.capacity!r} ({int(value):,} bytes)"
     else:
         if free is None:
-            if tier == "disk":
-                free = disk_free_bytes(tcfg.path)
-            else:
-                free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
+            free = tcfg.free_bytes(config)
         n = int(value * free) // block
         what = f"{tcfg.capacity!r} of {free:,} free bytes"
-    if tier == "gpu" and n < 1:
+    if n < getattr(tcfg, "MIN_BLOCKS", 0):
         raise ConfigError(path, f"{what} holds no block of {block:,} bytes")
     if n > MAX_NUM_BLOCKS:
         raise ConfigError(path, f"{what} is {n:,} blocks of {block:,} bytes, more than the "

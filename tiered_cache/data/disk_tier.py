@@ -40,9 +40,8 @@ class CorruptBlocks(TransferError):
 
 
 class DiskTier:
-    """The `disk` tier's pool: `num_slots` record slots of one host block each."""
+    """The disk tier's pool: `num_slots` record slots of one host block each."""
 
-    kind = "disk"
     layout = "record"
     scales = None
     where = "tiers.disk"
@@ -217,10 +216,3 @@ def disk_to_host(src: DiskTier, dst, transfers: list[Transfer], layers, nb) -> N
     if bad:
         raise CorruptBlocks([t.block for t in transfers if t.src_slot in bad],
                             f"disk slots {sorted(bad)[:8]} failed verification")
-
-
-HANDLERS = {
-    ("host", "disk"): host_to_disk,
-    ("gpu", "disk"): gpu_to_disk,
-    ("disk", "host"): disk_to_host,
-}
