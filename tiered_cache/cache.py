@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tiered_cache.config import CacheConfig
+from tiered_cache.config import CacheConfig, check_identifier
 from tiered_cache.core import resize as resizing
 from tiered_cache.core.atomic import atomic, install, interrupt_pending
 from tiered_cache.core.readiness import LayerReadiness
@@ -621,8 +621,6 @@ def _check_adapter(adapter_id: object) -> None:
     """A per-request adapter id goes into the hash namespace: the same rules as the config's."""
     if adapter_id is None:
         return
-    from tiered_cache.config import check_identifier
-
     try:
         check_identifier("adapter_id", adapter_id)
     except ConfigError as exc:

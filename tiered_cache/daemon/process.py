@@ -20,7 +20,7 @@ class DaemonProcess:
     prints its READY line, `stop()` sends SIGTERM and waits, `kill()` sends SIGKILL. Its
     stderr goes to `log_path` (default: the socket path + ".log")."""
 
-    what = "daemon"
+    what = "daemon process"
 
     def __init__(self, socket_path: str | os.PathLike[str], *args: str,
                  log_path: str | os.PathLike[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.data.disk import CorruptSlots, DiskPool
-from tiered_cache.errors import TransferError
+from tiered_cache.errors import TierUnavailableError, TransferError
 from tiered_cache.records import RecordHeader, encode_header, payload_hash
 
 log = logging.getLogger(__name__)
@@ -95,8 +95,6 @@ class DiskTier:
 
     def check_resize(self, num_slots: int) -> None:
         if num_slots < self.num_slots:
-            from tiered_cache.errors import TierUnavailableError
-
             raise TierUnavailableError(
                 "tiers.disk: shrinking the disk tier while serving is not supported; restart "
                 "with a smaller num_blocks (records in the slots cut off are dropped)")

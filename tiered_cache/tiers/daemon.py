@@ -20,6 +20,8 @@ from tiered_cache.errors import ConfigError
 from tiered_cache.sections import Section, choice, positive_number
 from tiered_cache.sizing import short_repr
 from tiered_cache.tiers.base import ENGINE, KEYED, Context, Needs, TierKind, register
+from tiered_cache.wire.ops import MAX_BLOCKS
+from tiered_cache.wire.shm import PoolGeometry
 
 DEVICE_KIND = "gpu"
 """The kind its copy handlers pair with (daemon <-> gpu)."""
@@ -89,7 +91,6 @@ class DaemonKind(TierKind):
 
     def build(self, ctx: Context, spec: TierSpec) -> Any:
         from tiered_cache.data.daemon_tier import DaemonTier
-        from tiered_cache.wire.shm import PoolGeometry
 
         d, model = ctx.section(self.name), ctx.config.model
         geometry = PoolGeometry(1, model.num_layers, int(ctx.config.block_size),
@@ -116,8 +117,6 @@ class DaemonKind(TierKind):
     def load(self, stack, k: int, seq) -> bool:
         """Ask the daemon to pin the next blocks (one round trip); extend the sequence over what
         it found; the load handler copies them out of the shared pool and releases the pins."""
-        from tiered_cache.wire.ops import MAX_BLOCKS
-
         index = stack.index
         m, last, n = index.loadable(seq)
         n = min(n, MAX_BLOCKS)

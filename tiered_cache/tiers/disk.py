@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from tiered_cache import sizing
 from tiered_cache.core.tier import TierSpec
+from tiered_cache.costs import TierCost
 from tiered_cache.errors import ConfigError
 from tiered_cache.sections import Section, boolean, non_negative_int, positive_int, size
 from tiered_cache.sizing import MAX_NUM_BLOCKS, short_repr
@@ -117,9 +118,7 @@ class DiskKind(TierKind):
                 (DEVICE_KIND, self.name): disk_tier.gpu_to_disk,
                 (self.name, HOST_KIND): disk_tier.disk_to_host}
 
-    def cost(self, ctx: Context):
-        from tiered_cache.costs import TierCost
-
+    def cost(self, ctx: Context) -> TierCost:
         cm = ctx.config.cost_model
         return TierCost(self.name, latency_s=cm.disk_latency_ms / 1e3,
                         bandwidth_bps=cm.disk_bandwidth_gbps * 1e9)

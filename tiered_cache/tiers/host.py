@@ -16,6 +16,7 @@ from tiered_cache.core.tier import TierSpec
 from tiered_cache.errors import ConfigError
 from tiered_cache.sections import Section, TierSize, choice
 from tiered_cache.tiers.base import DAEMON, ENGINE, Context, TierKind, register
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 HOST_MEMORY = ("pinned", "managed", "pageable")
 DEVICE_KIND = "gpu"
@@ -75,8 +76,6 @@ class HostKind(TierKind):
 
         cfg, model, bs = ctx.section(self.name), ctx.config.model, int(ctx.config.block_size)
         if ctx.role == DAEMON:
-            from tiered_cache.wire.shm import PoolGeometry, SharedPool
-
             geometry = PoolGeometry(spec.num_slots, model.num_layers, bs, model.num_kv_heads,
                                     model.head_dim, model.dtype)
             return SharedHostPool(SharedPool.create(geometry, name=f"{self.name}-{ctx.tenant}"))

@@ -16,8 +16,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from tiered_cache import records
 from tiered_cache.core.keyed import leading
 from tiered_cache.core.tier import DEVICE, TierSpec
+from tiered_cache.costs import TierCost
 from tiered_cache.errors import ConfigError
 from tiered_cache.sections import (
     Section,
@@ -27,6 +29,7 @@ from tiered_cache.sections import (
     positive_number,
 )
 from tiered_cache.sizing import short_repr
+from tiered_cache.stores.base import StoreUnavailableError
 from tiered_cache.tiers.base import DAEMON, ENGINE, KEYED, Context, Needs, TierKind, register
 
 log = logging.getLogger("tiered_cache.tiers.remote")
@@ -112,9 +115,6 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
             cost=None):
     """The store `tiers.remote` names (redis-py). An unreachable server is not an error: the
     store starts unverified and its breaker probes the server again later."""
-    from tiered_cache import records
-    from tiered_cache.stores.base import StoreUnavailableError
-
     try:
         from tiered_cache.stores.redis import RedisStore  # NOTE: redis-py, an extra
     except ImportError as exc:
@@ -182,9 +182,7 @@ class RemoteKind(TierKind):
         return {(self.name, HOST_KIND): remote_tier.remote_to_host,
                 (HOST_KIND, self.name): remote_tier.host_to_remote}
 
-    def cost(self, ctx: Context):
-        from tiered_cache.costs import TierCost
-
+    def cost(self, ctx: Context) -> TierCost:
         remote = ctx.section(self.name)
         return TierCost(self.name, latency_s=remote.latency_ms / 1e3,
                         bandwidth_bps=remote.bandwidth_gbps * 1e9)
