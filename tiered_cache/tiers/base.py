@@ -148,6 +148,8 @@ class TierKind:
         return None
 
     # ---------------------------------------------------------------- lifetime
+    # NOTE: `tier` is the slot tier's index for a slot kind, the keyed tier's position k
+    # (BlockIndex.keyed, Stack.stores) for a keyed kind.
     def recover(self, stack: Stack, tier: int) -> None:
         """After the index is built: rebuild what a persistent tier holds (a restart)."""
 
@@ -183,7 +185,8 @@ class TierKind:
 
 # -------------------------------------------------------------------- the registry
 _KINDS: dict[str, TierKind] = {}
-_RESERVED = frozenset({"items", "to_dict", "kinds", "device"})
+_RESERVED = frozenset({"items", "to_dict", "compute_device"})
+"""TiersConfig's own methods: a kind cannot be named like them (its section is an attribute)."""
 
 
 def register(kind: TierKind, *, replace: bool = False) -> TierKind:
