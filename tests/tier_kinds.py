@@ -172,19 +172,19 @@ class MemKVKind(TierKind):
 
     def load(self, stack, k: int, seq) -> bool:
         index, bs = stack.index, stack.block_size
-        m, last, n = index.loadable(seq)
+        m, last, n = index.keyed.loadable(seq)
         n = min(n, stack.section(self.name).lookahead_blocks)
         if not n:
             return False
         keys = stack.hasher.chain(last, seq.token_ids[m * bs:(m + n) * bs])
         r = leading(stack.stores[k].exists(seq.root, keys, 1.0))
-        return bool(r) and bool(index.extend(seq, k, keys[:r], stack.promote))
+        return bool(r) and bool(index.keyed.extend(seq, k, keys[:r], stack.promote))
 
     def invalidate(self, stack, k: int, root: bytes, tokens) -> int:
         return stack.stores[k].delete(root, stack.hasher.chain(root, tokens))
 
     def stats(self, stack, k: int, out: dict) -> None:
-        out["tiers"][stack.index.keyed[k].name]["store"] = stack.stores[k].stats()
+        out["tiers"][stack.index.keyed.tiers[k].name]["store"] = stack.stores[k].stats()
 
 
 # ------------------------------------------------------------------------------ handed

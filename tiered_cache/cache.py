@@ -242,7 +242,7 @@ class TieredKVCache:
                     pool = self.pools[DEVICE]
                     dev = pool.kv.device
                     pool.write_tokens(layer, flat, key.detach().to(dev), value.detach().to(dev))
-                    if idx.share_inflight and dev.type == "cuda":
+                    if idx.inflight.enabled and dev.type == "cuda":
                         # Sequences sharing these blocks (core/inflight.py), now or once they
                         # take them, read them from their own streams: order their reads after
                         # this copy.

@@ -79,6 +79,17 @@ class TierState:
         # drains the tail.
         self.owner = array("i", [NO_BLOCK]) * self.allocator.num_slots
 
+    def give_back(self, slot: int) -> None:
+        """A slot no block holds any more returns to the allocator, or, in a persistent tier,
+        waits (reserved) until the data plane has erased its record (`Space.take_erasures`).
+        Lock held."""
+        self.owner[slot] = NO_BLOCK
+        if self.persistent:
+            self.reserved += 1
+            self.erasing.append(slot)
+        else:
+            self.allocator.free_one(slot)
+
     @property
     def capacity_blocks(self) -> int:
         return self.allocator.capacity

@@ -168,14 +168,14 @@ class TierKind:
 
     def load(self, stack: Stack, k: int, seq: Sequence) -> bool:
         """ENGINE: after open()'s local match, load what keyed tier k has of the next blocks
-        (`BlockIndex.extend`). True once something was loaded: later keyed tiers are not
+        (`BlockIndex.keyed.extend`). True once something was loaded: later keyed tiers are not
         asked."""
         return False
 
     def load_after(self, stack: Stack, k: int, seq: Sequence, root: bytes, parent: bytes,
                    tokens: Any) -> int:
         """DAEMON: a fetch's hold ends before `tokens` do: load the next blocks keyed tier k
-        has into it (`BlockIndex.load_after`). Returns how many."""
+        has into it (`BlockIndex.keyed.load_after`). Returns how many."""
         return 0
 
     def invalidate(self, stack: Stack, k: int, root: bytes, tokens: Any) -> int:

@@ -118,7 +118,7 @@ class DaemonKind(TierKind):
         """Ask the daemon to pin the next blocks (one round trip); extend the sequence over what
         it found; the load handler copies them out of the shared pool and releases the pins."""
         index = stack.index
-        m, last, n = index.loadable(seq)
+        m, last, n = index.keyed.loadable(seq)
         n = min(n, MAX_BLOCKS)
         daemon = stack.stores[k]
         if not n or not daemon.available:
@@ -131,7 +131,7 @@ class DaemonKind(TierKind):
         taken = 0
         try:
             keys = stack.hasher.chain(last, seq.token_ids[m * bs:(m + len(slots)) * bs])
-            taken = index.extend(seq, k, keys, stack.promote, slots=slots, ticket=handle)
+            taken = index.keyed.extend(seq, k, keys, stack.promote, slots=slots, ticket=handle)
         finally:
             if not taken:
                 # NOTE: nothing will copy under this handle (extend took nothing, or raised
@@ -148,7 +148,7 @@ class DaemonKind(TierKind):
         their own names beneath ours: `daemon.host`, `daemon.disk`. Asked at most once a
         second."""
         daemon = stack.stores[k]
-        name = stack.index.keyed[k].name
+        name = stack.index.keyed.tiers[k].name
         out["tiers"][name]["store"] = daemon.stats()
         if stack.closed:
             return
@@ -178,9 +178,9 @@ def _attached(index, k: int, migrator, tenant_salt: bytes) -> None:
     again (blocks whose root the daemon keys differently are skipped by the put, and a block
     the daemon already has is answered "not taken" and costs no copy there)."""
     index.set_tenant(tenant_salt)
-    index.forget_puts(k)
+    index.keyed.forget_puts(k)
     if migrator is not None and not migrator.stopped:
-        migrator.put_remote(index.blocks_in(DEVICE))
+        migrator.put_remote(index.persist.blocks_in(DEVICE))
 
 
 register(DaemonKind())

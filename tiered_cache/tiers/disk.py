@@ -129,7 +129,7 @@ class DiskKind(TierKind):
         pool = stack.pools[tier]
         if pool is None:
             return
-        reject = stack.index.restore(tier, pool.recover())
+        reject = stack.index.persist.restore(tier, pool.recover())
         if reject:
             pool.erase(reject)
 
@@ -139,11 +139,11 @@ class DiskKind(TierKind):
         pool, index = stack.pools[tier], stack.index
         if pool is None:
             return
-        slots = index.take_erasures(tier)
+        slots = index.space.take_erasures(tier)
         try:
             pool.erase(slots)
-            index.erased(tier, slots)
-            pool.save_hits(*index.copies_with_hits(tier))
+            index.space.erased(tier, slots)
+            pool.save_hits(*index.persist.copies_with_hits(tier))
         finally:
             pool.close()
 

@@ -189,10 +189,10 @@ class RemoteKind(TierKind):
 
     def load(self, stack, k: int, seq) -> bool:
         """Which of the next blocks the store holds (under the lookup deadline, outside the
-        lock), and, if loading them beats recomputing, load them (`BlockIndex.extend`). A slow,
-        dead or empty store costs at most the deadline."""
+        lock), and, if loading them beats recomputing, load them (`BlockIndex.keyed.extend`).
+        A slow, dead or empty store costs at most the deadline."""
         index, remote = stack.index, stack.section(self.name)
-        m, last, n = index.loadable(seq)
+        m, last, n = index.keyed.loadable(seq)
         n = min(n, remote.lookahead_blocks)
         if not n:
             return False
@@ -203,15 +203,15 @@ class RemoteKind(TierKind):
         r = leading(stack.stores[k].exists(seq.root, keys, remote.lookup_deadline_ms / 1e3))
         if not r:
             return False
-        if stack.costs is not None and not stack.worth(index.keyed[k].index, r, m):
-            index.note_skipped(k)
+        if stack.costs is not None and not stack.worth(index.keyed.tiers[k].index, r, m):
+            index.keyed.note_skipped(k)
             return False
-        return bool(index.extend(seq, k, keys[:r], stack.promote))
+        return bool(index.keyed.extend(seq, k, keys[:r], stack.promote))
 
     def load_after(self, stack, k: int, seq, root: bytes, parent: bytes, tokens) -> int:
         """The hold ends before `tokens` do: ask the store for the next blocks (under its
         lookup deadline, no lock held) and load those it has into the hold, if that beats
-        recomputing them (BlockIndex.load_after asks the cost model). Returns how many."""
+        recomputing them (BlockIndex.keyed.load_after asks the cost model). Returns how many."""
         remote, bs = stack.section(self.name), stack.block_size
         m = len(seq.blocks)
         rest = tokens[m * bs:(m + remote.lookahead_blocks) * bs]
@@ -222,14 +222,14 @@ class RemoteKind(TierKind):
         r = leading(stack.stores[k].exists(root, keys, remote.lookup_deadline_ms / 1e3))
         if not r:
             return 0
-        return stack.index.load_after(seq, k, parent, rest[:r * bs], keys[:r], stack.promote)
+        return stack.index.keyed.load_after(seq, k, parent, rest[:r * bs], keys[:r], stack.promote)
 
     def invalidate(self, stack, k: int, root: bytes, tokens) -> int:
         stack.stores[k].delete(root, stack.hasher.chain(root, tokens))
         return 0                # what the store dropped is not known (best effort)
 
     def stats(self, stack, k: int, out: dict) -> None:
-        out["tiers"][stack.index.keyed[k].name]["store"] = stack.stores[k].stats()
+        out["tiers"][stack.index.keyed.tiers[k].name]["store"] = stack.stores[k].stats()
 
     def close(self, stack, k: int) -> None:
         store = stack.stores[k]

@@ -100,7 +100,8 @@ class Stack:
         """A finished copy out of a slow slot tier into the tier records stage in feeds that
         tier's cost estimates. (A store feeds its own: each lookup's latency, each get's
         bandwidth.)"""
-        if self.costs is None or src >= len(self.index.tiers) or dst != self.index.stage_tier:
+        index = self.index
+        if self.costs is None or src >= len(index.tiers) or dst != index.keyed.stage_tier:
             return
         cost = self.costs.tiers.get(self.index.tiers[src].name)
         if cost is not None:
@@ -112,7 +113,7 @@ class Stack:
         tiers written from the device tier (the node daemon)."""
         self.copy_down(fresh)
         if fresh and self.migrator is not None and any(
-                k.put_from == DEVICE for k in self.index.keyed):
+                k.put_from == DEVICE for k in self.index.keyed.tiers):
             self.migrator.put_remote(fresh)
 
     def copy_down(self, fresh: list[int]) -> None:
@@ -340,14 +341,14 @@ def _workers(stack: Stack, ctx: Context) -> None:
     compactor."""
     config, index = stack.config, stack.index
     if ctx.storage and ctx.migrator:
-        puts = [k for k, keyed in enumerate(index.keyed) if keyed.put_from is not None]
+        puts = [k for k, keyed in enumerate(index.keyed.tiers) if keyed.put_from is not None]
         stack.migrator = migrator = Migrator(index, stack.executor, config.migrator,
                                              stack.health, put_tiers=puts,
                                              on_copy=stack.observe)
-        froms = {index.keyed[k].put_from for k in puts}
+        froms = {index.keyed.tiers[k].put_from for k in puts}
         if froms:
             # Blocks a synchronous eviction demoted into a tier keyed tiers are put from.
-            index.on_copied = lambda tier, blocks: (
+            index.space.on_copied = lambda tier, blocks: (
                 migrator.put_remote(blocks) if tier in froms else None)
     if stack.role == ENGINE and ctx.storage and config.compactor.enabled:
         stack.compactor = Compactor(index, stack.executor, config.compactor,
