@@ -29,13 +29,13 @@ test: $(STAMP)
 # SGLang's HiCache contract tests (tests/sglang_hicache) in a venv of their own: the sglang
 # 0.5.23 wheel without its dependencies (they are its CUDA stack), the CPU torch wheel, and the
 # pure-Python packages its mem_cache / managers modules import (requirements.txt there).
-# SGLANG: a local copy of the wheel if there is one, else the registry's.
+# SGLANG: the wheel to install (a local file may be given: make test-sglang SGLANG=path.whl).
 SGL_VENV ?= .venv-sglang
 SGL_PY := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.installed
 SGL_REQ := tests/sglang_hicache/requirements.txt
 SGL_CON := tests/sglang_hicache/constraints.txt
-SGLANG ?= $(firstword $(wildcard /work/venvs/sglang-wheel/sglang-0.5.23-*.whl) sglang==0.5.23)
+SGLANG ?= sglang==0.5.23
 
 $(SGL_STAMP): pyproject.toml $(SGL_REQ) $(SGL_CON)
 	test -x $(SGL_PY) || python3 -m venv $(SGL_VENV)

@@ -22,6 +22,7 @@ import pytest
 from tiered_cache import CacheConfig, TieredKVCache, sizing
 from tiered_cache.errors import ConfigError
 from tiered_cache.sizing import MiB
+from tiered_cache.tiers.disk import pool_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -235,7 +236,7 @@ def test_disk_byte_capacity_is_sized_by_the_slot_footprint(small_disk):
     try:
         n = cache.stats()["tiers"]["disk"]["capacity_blocks"]
         assert n == 6 * MiB // (4096 + BLOCK)
-        held = sizing.disk_held_bytes(sizing.disk_pool_dir(cfg))
+        held = sizing.held_bytes(pool_dir(cfg))
         # the slots, plus the superblock and the lock file
         assert n * (4096 + BLOCK) <= held <= n * (4096 + BLOCK) + 64 * 1024
     finally:
@@ -285,8 +286,8 @@ def short_tmp():
 def test_daemon_refuses_at_start_what_its_tenant_pools_add_up_to(ram, short_tmp, monkeypatch):
     """Two configured tenants of 8 MiB pools each (plus the daemon's own uid): 24 MiB asked,
     20 MiB available; refused before the first pool is created."""
-    from tiered_cache.daemon import shm
     from tiered_cache.daemon.service import NodeService
+    from tiered_cache.wire import shm
 
     created = []
     real_create = shm.SharedPool.create

@@ -19,15 +19,15 @@ import pytest
 from tests import redis_servers as rs
 from tests.oracles import wait_for
 from tests.test_pages import FMT, PART, PB, page
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import DaemonError, LeaseExpiredError, VersionError
-from tiered_cache.daemon.ops import make_protocol
 from tiered_cache.daemon.pages import PageSpaceError
-from tiered_cache.daemon.testing import NodeProcess
+from tiered_cache.daemon.process import NodeProcess
 from tiered_cache.pages import identity
 from tiered_cache.pages.daemon import DaemonPages
 from tiered_cache.pages.disk import PageDisk
 from tiered_cache.pages.store import PageStore, part_name
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import DaemonError, LeaseExpiredError, VersionError
+from tiered_cache.wire.ops import make_protocol
 
 HERE = Path(__file__).parent
 CLIENT = str(HERE / "page_client.py")

@@ -186,8 +186,8 @@ def resolve_device(device: str) -> str:
 
 def free_bytes(device: str) -> int:
     """Free memory that a `"%"` capacity applies to: available host memory (psutil) for
-    `"cpu"`/`"host"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
-    if device in ("cpu", "host"):
+    `"cpu"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
+    if device == "cpu":
         import psutil
 
         return int(psutil.virtual_memory().available)
@@ -212,36 +212,14 @@ def disk_free_bytes(path: str | None) -> int:
 
 
 def tier_slot_bytes(config: CacheConfig, tier: str) -> int:
-    """Bytes one slot of `tier` takes where it lives: a block's KV (and fp8 scales) in memory;
-    on disk, a record's header area plus its payload area, each aligned to 4 KiB
-    (data/disk_layout.py). A capacity is divided by this, so that the tier fits in it."""
-    if tier == "disk":
-        from tiered_cache.data.disk_layout import slot_footprint
-
-        return slot_footprint(int(config.block_size), config.block_bytes)
-    return config.block_bytes
+    """Bytes one slot of `tier` takes where it lives (its section's `slot_bytes`: a block's KV
+    in memory; a record's header and payload areas on disk)."""
+    return getattr(config.tiers, tier).slot_bytes(config)
 
 
-def disk_pool_dir(config: CacheConfig, tenant: str | None = None) -> Path | None:
-    """The directory the disk tier's files of this config's namespace live in:
-    `tiers.disk.path[/<tenant>]/<namespace hex>` (data/disk.py; a daemon partition's disk
-    directory is named after its tenant). None without a disk path."""
-    disk = config.tiers.disk
-    if disk is None or disk.path is None:
-        return None
-    from tiered_cache.hashing import BlockHasher, Namespace
-
-    m = config.model
-    ns = Namespace(m.name, m.dtype, m.num_layers, m.num_kv_heads, m.head_dim,
-                   int(config.block_size), None)
-    root = Path(disk.path) if tenant is None else Path(disk.path) / tenant
-    return root / BlockHasher(ns).namespace_digest().hex()
-
-
-def disk_held_bytes(directory: Path | None) -> int:
-    """Bytes the disk tier's own files (from an earlier run: superblock, lock, header table,
-    payloads) already take in `directory`: reopening the pool reuses them, so they count as
-    room for it."""
+def held_bytes(directory: Path | None) -> int:
+    """Bytes the regular files in `directory` take on disk (a persistent tier's own files from
+    an earlier run: reopening the pool reuses them, so they count as room for it)."""
     held = 0
     try:
         entries = list(directory.iterdir()) if directory is not None else []
@@ -259,19 +237,21 @@ def disk_held_bytes(directory: Path | None) -> int:
 
 def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None, *,
                     slot_bytes: int | None = None, tenant: str | None = None) -> int:
-    """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // slot bytes, or, for a
-    `"%"` capacity, fraction * free // slot bytes. Slot bytes: `tier_slot_bytes` unless given
-    (the daemon's shared pool rounds slots to pages). `free` defaults to the free memory of the
-    tier's device (gpu: its resolved device; host: `"cpu"`), for the disk to the free space at
-    its path plus what its own files already hold there (`tenant`: a daemon partition's). At
-    least one block for gpu; host may get 0 (no host tier). More than MAX_NUM_BLOCKS blocks
-    raises ConfigError: a capacity in bytes or a share of a large machine can exceed it with
-    small blocks."""
-    if tier not in ("gpu", "host", "disk"):
-        raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'host' or 'disk'")
-    tcfg = getattr(config.tiers, tier)
+    """Blocks a slot tier gets: its `num_blocks` if set; else capacity bytes // slot bytes, or,
+    for a `"%"` capacity, fraction * free // slot bytes. Slot bytes: the section's `slot_bytes`
+    unless given (the daemon's shared pool rounds slots to pages). `free` defaults to what the
+    tier's section says a share is of (`free_bytes`: the device's free memory, the host's
+    available memory, the disk's free space plus what its own files hold; `tenant`: a daemon
+    partition's). Fewer than the section's `MIN_BLOCKS` (1 for the device tier; 0, no tier,
+    for the others) or more than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
+    or a share of a large machine can exceed it with small blocks."""
+    tcfg = getattr(config.tiers, tier, None) if isinstance(tier, str) else None
+    if tcfg is None and (not isinstance(tier, str) or not hasattr(config.tiers, tier)):
+        raise ValueError(f"unknown tier {tier!r}; tiers: {list(config.tiers.to_dict())}")
     if tcfg is None:                    # an optional tier that is not configured
         return 0
+    if not hasattr(tcfg, "num_blocks") or not hasattr(tcfg, "capacity"):
+        raise ValueError(f"tier {tier!r} has no size in slots (a keyed tier)")
     if tcfg.num_blocks is not None:
         return tcfg.num_blocks
     path = f"tiers.{tier}.capacity"
@@ -282,17 +262,11 @@ def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None, *,
         what = f"{tcfg.capacity!r} ({int(value):,} bytes)"
     else:
         if free is None:
-            if tier == "disk":
-                # NOTE: a restart must find the room its own files take, or every restart of
-                # an "80%" tier would shrink it (and cut off the records past the new end).
-                free = disk_free_bytes(tcfg.path) + disk_held_bytes(disk_pool_dir(config,
-                                                                                  tenant))
-            else:
-                free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
+            free = tcfg.free_bytes(config, tenant)
         n = int(value * free) // block
         what = f"{tcfg.capacity!r} of {free:,} free bytes"
-    unit = "slots of" if tier == "disk" else "blocks of"
-    if tier == "gpu" and n < 1:
+    unit = f"{getattr(tcfg, 'SLOT_WORD', 'blocks')} of"
+    if n < getattr(tcfg, "MIN_BLOCKS", 0):
         raise ConfigError(path, f"{what} holds no block of {block:,} bytes")
     if n > MAX_NUM_BLOCKS:
         raise ConfigError(path, f"{what} is {n:,} {unit} {block:,} bytes, more than the "

@@ -300,7 +300,7 @@ def test_another_process_finds_the_pages_through_redis(redis_url):
 
 
 def test_another_process_finds_the_pages_through_the_daemon(tmp_path):
-    from tiered_cache.daemon.testing import NodeProcess
+    from tiered_cache.daemon.process import NodeProcess
     sock = str(tmp_path / "s" / "d.sock")
     daemon_cfg = tmp_path / "daemon.yaml"
     daemon_cfg.write_text(textwrap.dedent(f"""\

@@ -171,7 +171,7 @@ def test_a_second_engine_process_is_served_through_redis(work):
 
 
 def test_a_second_engine_process_is_served_through_the_daemon(work):
-    from tiered_cache.daemon.testing import NodeProcess
+    from tiered_cache.daemon.process import NodeProcess
 
     sock = str(work / "d.sock")
     cfg_path = work / "daemon.yaml"

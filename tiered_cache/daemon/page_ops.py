@@ -13,11 +13,15 @@ import threading
 from typing import Any
 
 from tiered_cache.config import CacheConfig, ConfigError
-from tiered_cache.daemon.errors import OverloadedError, VersionError
-from tiered_cache.daemon.pages import MAX_SPACES, VERSION, PageGeometry, PageSpace, PageSpaceError
-from tiered_cache.daemon.shm import SharedPool
-from tiered_cache.daemon.transport import Response
+from tiered_cache.daemon.pages import MAX_SPACES, PageSpace, PageSpaceError
 from tiered_cache.pages import identity
+from tiered_cache.tiers.disk import DiskKind
+from tiered_cache.tiers.host import HostKind
+from tiered_cache.tiers.remote import RemoteKind
+from tiered_cache.wire.errors import OverloadedError, VersionError
+from tiered_cache.wire.pages import VERSION, PageGeometry
+from tiered_cache.wire.shm import SharedPool
+from tiered_cache.wire.transport import Response
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +30,7 @@ class PageService:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         d = config.daemon
-        if d.page_disk_mib and config.tiers.disk is None:
+        if d.page_disk_mib and getattr(config.tiers, DiskKind.name) is None:
             raise ConfigError("daemon.page_disk_mib", "pages on disk need tiers.disk.path (the "
                                                       "directory they go under)")
         self._spaces: dict[tuple[str, bytes, int], tuple[int, PageSpace]] = {}
@@ -70,24 +74,29 @@ class PageService:
         from tiered_cache import admission
 
         d = self.config.daemon
-        asks = [admission.Ask("host", "daemon.page_pool_mib", pool_bytes, admission.HOST,
+        # NOTE: page pools live in host memory and page disks on the disk tier's filesystem:
+        # `overcommit` names them by those tiers.
+        asks = [admission.Ask(HostKind.name, "daemon.page_pool_mib", pool_bytes, admission.RAM,
                               f"the page pool of tenant {tenant!r} for a new page format "
                               f"({page_bytes:,}-byte pages)")]
         if d.page_disk_mib:
             from pathlib import Path
 
-            from tiered_cache.sizing import disk_held_bytes
+            from tiered_cache.sizing import held_bytes
 
-            path = os.path.join(self.config.tiers.disk.path, tenant, "pages")
-            held = disk_held_bytes(Path(path) / digest.hex())      # reopened, not grown
-            asks.append(admission.Ask("disk", "daemon.page_disk_mib", d.page_disk_mib << 20,
-                                      "disk", f"the page disk of tenant {tenant!r}", path,
-                                      held=held))
+            path = os.path.join(self._disk_section().path, tenant, "pages")
+            held = held_bytes(Path(path) / digest.hex())      # reopened, not grown
+            asks.append(admission.Ask(DiskKind.name, "daemon.page_disk_mib",
+                                      d.page_disk_mib << 20, admission.FILESYSTEM,
+                                      f"the page disk of tenant {tenant!r}", path, held=held))
         try:
             admission.check(asks, self.config.overcommit,
                             context=f" ({len(self._spaces)} page space(s) exist already)")
         except ConfigError as exc:
             raise PageSpaceError(str(exc)) from None
+
+    def _disk_section(self):
+        return getattr(self.config.tiers, DiskKind.name)
 
     def _format(self, digest: bytes, page_bytes: int) -> identity.PageFormat:
         """A stand-in format whose digest is the client's: the daemon never learns the
@@ -106,16 +115,16 @@ class PageService:
         if n < 1:
             raise PageSpaceError(f"daemon.page_disk_mib ({d.page_disk_mib} MiB) holds no page of "
                                  f"{page_bytes:,} bytes")
-        path = os.path.join(self.config.tiers.disk.path, tenant, "pages")
+        path = os.path.join(self._disk_section().path, tenant, "pages")
         return PageDisk(path, num_pages=n, format=self._format(digest, page_bytes),
-                        o_direct=self.config.tiers.disk.o_direct)
+                        o_direct=self._disk_section().o_direct)
 
     def _remote(self, digest: bytes, page_bytes: int):
-        remote = self.config.tiers.remote
+        remote = getattr(self.config.tiers, RemoteKind.name)
         if remote is None:
             return None
-        from tiered_cache.data.remote_tier import connect
         from tiered_cache.pages.remote import PageRemote
+        from tiered_cache.tiers.remote import connect
 
         store = connect(remote, namespace=digest, num_tokens=identity.IDENT_TOKENS,
                         payload_bytes=page_bytes, delete_corrupt=True)

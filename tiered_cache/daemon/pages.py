@@ -31,14 +31,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiered_cache.daemon.errors import DaemonError, register_error
-from tiered_cache.daemon.shm import PAGE, SharedPool
 from tiered_cache.pages import identity
 from tiered_cache.pages.payload import gather
+from tiered_cache.wire.errors import DaemonError, register_error
+from tiered_cache.wire.pages import PageGeometry
+from tiered_cache.wire.shm import SharedPool
 
 log = logging.getLogger(__name__)
 
-VERSION = 1                 # of the page ops; `page_attach` names it
 MAX_SPACES = 8              # page spaces per tenant
 
 
@@ -48,31 +48,6 @@ class PageSpaceError(DaemonError, ValueError):
     repeated, or a page format the daemon cannot hold (page ops off, too many formats)."""
 
     wire_type = "page_space"
-
-
-@dataclass(frozen=True)
-class PageGeometry:
-    """A pool of `num_slots` whole pages of `page_bytes`, each slot starting on a page
-    boundary (SharedPool needs only `num_slots`, `slot_stride` and `nbytes`)."""
-
-    num_slots: int
-    page_bytes: int
-
-    def __post_init__(self) -> None:
-        if self.num_slots < 1 or self.page_bytes < 1:
-            raise ValueError(f"a page pool needs slots and bytes, got {self}")
-
-    @property
-    def slot_stride(self) -> int:
-        return -(-self.page_bytes // PAGE) * PAGE
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_slots * self.slot_stride
-
-    def slot(self, buf: memoryview, i: int) -> memoryview:
-        at = i * self.slot_stride
-        return buf[at:at + self.page_bytes]
 
 
 @dataclass(eq=False)
@@ -329,9 +304,9 @@ class PageSpace:
                    "pinned": sum(1 for p in self._index.values() if p.pins),
                    "page_bytes": self.page_bytes, **self.counts}
         if self.disk is not None:
-            out["disk"] = self.disk.stats()
+            out[self.disk.name] = self.disk.stats()
         if self.remote is not None:
-            out["remote"] = self.remote.stats()
+            out[self.remote.name] = self.remote.stats()
         return out
 
     def _count(self, key: str, n: int = 1) -> None:

@@ -1,4 +1,4 @@
-"""The node service: the handlers of daemon/ops.py over the tenants' partitions.
+"""The node service: the handlers of wire/ops.py over the tenants' partitions.
 
 Who a client is comes from the kernel (SO_PEERCRED, checked against the allowlist by the
 transport); which tenant it belongs to from `daemon.tenants` ("uid:N" / "gid:N" -> name; by
@@ -27,17 +27,17 @@ from typing import Any
 from tiered_cache import admission
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.daemon.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
 from tiered_cache.daemon.leases import LeaseTable
-from tiered_cache.daemon.ops import make_protocol
 from tiered_cache.daemon.page_ops import PageService
 from tiered_cache.daemon.pages import PageHold
-from tiered_cache.daemon.partition import Partition, namespace_of, pool_geometry
-from tiered_cache.daemon.peer import Allowlist, Peer
-from tiered_cache.daemon.protocol import Request
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-from tiered_cache.daemon.transport import Response, Server, ServerConfig
+from tiered_cache.daemon.partition import Partition, namespace_of, partition_asks, pool_bytes
 from tiered_cache.hashing import BlockHasher, tenant_salt
+from tiered_cache.wire.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
+from tiered_cache.wire.ops import make_protocol
+from tiered_cache.wire.peer import Allowlist, Peer
+from tiered_cache.wire.protocol import Request
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
+from tiered_cache.wire.transport import Response, Server, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +63,11 @@ class NodeService:
         self.config = config
         d = config.daemon
         tenants = self._known_tenants()
-        geometry = pool_geometry(config)
         # every partition built at start, checked together before the first is allocated
-        admission.check_partitions(config, tenants, geometry.nbytes, geometry.num_slots)
+        admission.check([a for t in tenants for a in partition_asks(config, t)],
+                        config.overcommit,
+                        context=admission.partitions_context(len(tenants), 0,
+                                                             pool_bytes(config)))
         self.namespace = BlockHasher(namespace_of(config)).namespace_digest()
         self.partitions: dict[str, Partition] = {}
         self._build = threading.Lock()

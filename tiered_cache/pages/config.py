@@ -28,20 +28,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.config import (
-    DaemonTierConfig,
-    DiskTierConfig,
-    RemoteTierConfig,
-    _from_mapping,
-    load_yaml,
-)
+from tiered_cache.config import load_yaml
 from tiered_cache.errors import ConfigError
+from tiered_cache.sections import from_mapping as _from_mapping
+from tiered_cache.tiers.daemon import DaemonKind, DaemonTierConfig
+from tiered_cache.tiers.disk import DiskKind, DiskTierConfig
+from tiered_cache.tiers.remote import RemoteKind, RemoteTierConfig
 
-_SECTIONS = {"disk": DiskTierConfig, "remote": RemoteTierConfig, "daemon": DaemonTierConfig}
+DISK, REMOTE, DAEMON = DiskKind.name, RemoteKind.name, DaemonKind.name
+"""The tier sections a page store is configured by (their kinds' sections)."""
+_SECTIONS = {DISK: DiskKind.section, REMOTE: RemoteKind.section, DAEMON: DaemonKind.section}
 _UNUSED = {
-    "disk": ("admit_min_hits", "max_num_blocks"),
-    "remote": ("lookahead_blocks", "latency_ms", "bandwidth_gbps", "put_queue_mib"),
-    "daemon": (),
+    DISK: ("admit_min_hits", "max_num_blocks"),
+    REMOTE: ("lookahead_blocks", "latency_ms", "bandwidth_gbps", "put_queue_mib"),
+    DAEMON: (),
 }
 _PAGES_KEYS = ("tenant_salt", "lookup_deadline_ms", "fill_disk")
 

@@ -21,13 +21,14 @@ import os
 import threading
 from collections.abc import Sequence
 
-from tiered_cache.daemon.client import Client, Heartbeat
-from tiered_cache.daemon.errors import DaemonError
-from tiered_cache.daemon.ops import MAX_PAGES, make_protocol
-from tiered_cache.daemon.pages import VERSION, PageGeometry
-from tiered_cache.daemon.shm import SharedPool
+from tiered_cache.pages.config import DAEMON
 from tiered_cache.pages.identity import PageFormat
 from tiered_cache.pages.payload import fill, gather_into
+from tiered_cache.wire.client import Client, Heartbeat
+from tiered_cache.wire.errors import DaemonError
+from tiered_cache.wire.ops import MAX_PAGES, make_protocol
+from tiered_cache.wire.pages import VERSION, PageGeometry
+from tiered_cache.wire.shm import SharedPool
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class _Attachment:
 
 
 class DaemonPages:
-    name = "daemon"
+    name = DAEMON
     shared = True               # every engine process of the node sees what it holds
     by_part = True              # names pages by part: the daemon derives the roots
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from tiered_cache.data.disk import CorruptSlots, DiskPool
 from tiered_cache.errors import TierUnavailableError
 from tiered_cache.pages import identity
+from tiered_cache.pages.config import DISK
 from tiered_cache.pages.identity import PageFormat
 from tiered_cache.pages.payload import as_payload
 from tiered_cache.records import RecordHeader
@@ -58,7 +59,7 @@ class _Counts:
 class PageDisk:
     """`num_pages` pages of `format.page_bytes` in `path/<format digest hex>/` (one owner)."""
 
-    name = "disk"
+    name = DISK
     shared = False              # only this process sees it
 
     def __init__(self, path: str | os.PathLike, *, num_pages: int, format: PageFormat,

@@ -31,12 +31,11 @@ import xxhash
 
 from tiered_cache import records
 from tiered_cache.errors import TieredCacheError
+from tiered_cache.wire.pages import ENGINE_KEY_MAX, MAX_PART
 
-ENGINE_KEY_MAX = 124            # bytes of one engine key
 IDENT_BYTES = 4 + ENGINE_KEY_MAX
 IDENT_TOKENS = IDENT_BYTES // 4  # the record's `num_tokens` for pages
 assert IDENT_BYTES % 4 == 0
-MAX_PART = 64                   # bytes of a part name
 _VERSION = b"tiered-cache/page/v1"
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from tiered_cache import records
 from tiered_cache.pages import identity
+from tiered_cache.pages.config import REMOTE
 from tiered_cache.pages.identity import PageFormat
 from tiered_cache.pages.payload import fill, gather
 from tiered_cache.stores.base import KeyedStore
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class PageRemote:
-    name = "remote"
+    name = REMOTE
     shared = True               # other processes and nodes see what it holds
 
     def __init__(self, store: KeyedStore, format: PageFormat,

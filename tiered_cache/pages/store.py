@@ -101,7 +101,7 @@ class PageStore:
                 disk = PageDisk(path, num_pages=disk_pages(config, format, path),
                                 format=format, o_direct=config.disk.o_direct)
             if config.remote is not None:
-                from tiered_cache.data.remote_tier import connect
+                from tiered_cache.tiers.remote import connect
                 from tiered_cache.pages.remote import PageRemote
 
                 store = connect(config.remote, namespace=format.digest(),
