@@ -92,6 +92,8 @@ class BlockTree:
         their source: a disk record that failed verification loses that copy and is counted;
         a keyed tier's value that was gone or corrupt is counted."""
         with atomic(), self.lock:
+            if self.broken is not None:
+                return          # torn (core/atomic.py): nothing is committed any more
             n_slot = len(self.tiers)
             copies, space, keyed = self.copies, self.space, self.keyed.tiers
             for p in plan:
