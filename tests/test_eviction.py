@@ -163,3 +163,34 @@ def test_no_evictable_block_is_transient_only_while_copies_hold_the_tier():
     moves.commit_demotion(cache.index, to_disk, True)
     assert not space.copies_hold(0) and not space.copies_hold(1)
     cache.shutdown()
+
+
+def test_reopening_a_chain_being_demoted_counts_its_busy_blocks_once():
+    """gpu 8. Prompt A (4 blocks): a2, a3 in the host tier only, a0, a1 on the device with
+    their copy to host under way (busy); B (4 blocks) open and pinned; 2 slots free. Opening A
+    again pins a0, a1 and promotes a2, a3 into the 2 free slots: it fits now, whatever the
+    copy does. (Regression: a0, a1 were subtracted from room twice, as busy and as blocks the
+    open pins: refused as transient, and the request waited for a copy it did not need.)"""
+    from tiered_cache.core import moves
+
+    cache = make_cache(gpu_blocks=8, host_blocks=8, storage="none")
+    idx = cache.index
+    bs = cache.block_size
+    a, b = list(range(4 * bs)), list(range(100, 100 + 4 * bs))
+    s = cache.open(a)
+    cache.mark_computed(s)
+    cache.close(s)
+    held = cache.open(b)
+    cache.mark_computed(held)
+    moves.commit_demotion(idx, moves.plan_demotion(idx, 0, 1, 2), True)    # a3, a2 to host
+    moving = moves.plan_demotion(idx, 0, 1, 2)                           # a1, a0: under way
+    assert len(moving) == 2 and idx.tiers[0].busy == 2
+    assert idx.tiers[0].allocator.num_free == 2
+    s = cache.open(a)
+    assert s.num_cached_tokens == len(a)
+    check_invariants(cache)
+    moves.commit_demotion(idx, moving, True)        # pinned meanwhile: they keep the device copy
+    cache.close(s)
+    cache.close(held)
+    check_invariants(cache)
+    cache.shutdown()

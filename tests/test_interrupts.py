@@ -426,6 +426,8 @@ def interrupt_at(setup: str, op: str, k: int, mode: str = "sigint") -> Injector:
         _verify(w, inj, interrupted, op)
         return inj
     finally:
+        atomic._local.depth = 0             # (a failed case never spoils the next one)
+        getattr(atomic, "_deferred", {}).clear()
         w.cache.shutdown()
 
 

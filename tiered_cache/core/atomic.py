@@ -63,7 +63,6 @@ if a non-deferrable exception ever landed in a section's own exit lines and left
 counted as inside one."""
 
 _tears: list[str] = []   # what tore a section, oldest first (bounded)
-_last_torn = [0]         # id() of the exception last recorded (nested sections see it again)
 _tear_listeners: list[weakref.ref] = []   # weak references to callables told of a tear
 
 
@@ -155,9 +154,12 @@ def _torn(exc_type: type, exc: BaseException | None, section) -> None:
     `Exception`): the state it changed may be half changed. Tell every listener. `section`:
     the frame whose `with atomic()` it left."""
     if exc is not None:
-        if id(exc) == _last_torn[0]:
+        if getattr(exc, "_tiered_cache_torn", False):
             return              # the same exception, leaving an enclosing section
-        _last_torn[0] = id(exc)
+        try:
+            exc._tiered_cache_torn = True
+        except AttributeError:  # pragma: no cover - an exception type without a __dict__
+            pass
     tb = exc.__traceback__ if exc is not None else None
     landed = "?"
     while tb is not None:
