@@ -425,3 +425,39 @@ def test_demotion_batches_of_one_long_chain_pipeline_in_chain_order():
     check_data(cache, seq, prompt)
     cache.close(seq)
     cache.shutdown()
+
+
+@pytest.mark.parametrize("cap, floor, used, demand, batch, want", [
+    # a small tier: the watermarks leave 2 free (8 at 0.9/0.8) for 2-block requests: keep 4
+    (8, 6, 5, 2, 64, (4, True)),
+    (8, 6, 4, 2, 64, (4, False)),
+    (8, 6, 8, 2, 1, (5, True)),         # at most one batch below the low watermark
+    # watermarks that already leave two requests' worth, or requests too big to help
+    (1000, 800, 950, 64, 64, (800, False)),
+    (8, 6, 8, 3, 64, (6, False)),       # 2 x 3 > 8 // 2: one request is most of the tier
+    (65536, 52428, 65000, 62500, 64, (52428, False)),     # a 1M-token prompt
+    (8, 6, 8, 0, 64, (6, False)),       # nothing allocated yet
+])
+def test_the_device_demoter_keeps_room_for_two_requests_in_a_small_tier(
+        cap, floor, used, demand, batch, want):
+    """(Regression: with an 8-block device tier the demoter started only once the tier was
+    full and freed 2 blocks, so about half of back-to-back 2-block requests evicted
+    synchronously.)"""
+    from tiered_cache.migrator.worker import _headroom
+
+    assert _headroom(cap, floor, used, demand, batch) == want
+
+
+def test_a_small_device_tier_pokes_the_demoter_before_it_is_full():
+    """The allocation that leaves less than two recent requests' worth free asks the
+    demoter to run, below the high watermark too."""
+    pokes = []
+    cache = make(8, 16, migrator={"enabled": False})
+    try:
+        cache.index.space.on_pressure = lambda: pokes.append(1)
+        for i in range(3):                          # 2 blocks each: 6 of 8 used, 2 free
+            cache_prompt(cache, [i * 100 + j for j in range(2 * BS)])
+        assert cache.index.space.demand == 2
+        assert pokes and cache.tiers[0].used_blocks <= 0.9 * 8
+    finally:
+        cache.shutdown()
