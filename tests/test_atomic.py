@@ -228,7 +228,7 @@ def test_the_lock_is_released_in_c_whatever_the_body_raises():
 
 
 def test_a_hold_is_timed_once_inside_its_section():
-    lock = TimedLock()
+    lock = TimedLock(on_hold=atomic.note_hold)
     with atomic.atomic(), lock:
         with lock:                              # re-entrant: only the outermost is timed
             pass

@@ -7,18 +7,17 @@ Holds are filed into fixed log-spaced buckets (O(1) per hold, no allocation), ex
 NOTE: asynchronous exceptions (core/atomic.py). The lock is CPython's C-level re-entrant lock
 and `with lock:` releases it in C: no Python line runs between the body and the release, so an
 exception raised at any line (deferred or not) never leaves it held. Acquiring runs in a
-`try` whose handler gives back a hold this call took. The timing is not done by the lock: a
-hold taken inside a commit section (`with atomic(), lock:`, as every hold of the index is) is
-noted when it starts and observed when that section ends, inside the section, where a signal
-is deferred.
+`try` whose handler gives back a hold this call took. The timing is not done by the lock: an
+outermost hold is told to `on_hold` as it starts (the index passes `core.atomic.note_hold`: a
+hold taken inside a commit section, `with atomic(), lock:` as every hold of the index is, is
+observed when that section ends, inside the section, where a signal is deferred).
 """
 
 from __future__ import annotations
 
 import bisect
 from _thread import RLock as _RLock
-
-from tiered_cache.core.atomic import note_hold
+from collections.abc import Callable
 
 # 1 us .. ~4 s, 4 buckets per octave
 BUCKETS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 4) for i in range(88))
@@ -59,18 +58,20 @@ class HoldStats:
 
 
 class TimedLock(_RLock):
-    """A re-entrant lock whose outermost holds inside commit sections are timed (`holds`)."""
+    """A re-entrant lock whose outermost holds are told to `on_hold` (which times them into
+    `holds`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_hold: Callable[[TimedLock], None] | None = None) -> None:
         super().__init__()
         self.holds = HoldStats()
+        self._on_hold = on_hold
 
     def __enter__(self) -> TimedLock:
         before = self._recursion_count()
         try:
             self.acquire()
-            if before == 0:
-                note_hold(self)
+            if before == 0 and self._on_hold is not None:
+                self._on_hold(self)
             return self
         except BaseException:
             # NOTE: an asynchronous exception after the acquire (the `with` never runs

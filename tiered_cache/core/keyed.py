@@ -243,7 +243,7 @@ class KeyedTiers:
         with atomic(), ix.lock:
             keyed = self.tiers[tier]
             src = keyed.put_from
-            if src is None:                     # a read-only keyed tier
+            if src is None or ix.broken is not None:    # read only, or torn (core/atomic.py)
                 return []
             t = ix.blocks
             bit = 1 << keyed.position
