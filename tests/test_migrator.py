@@ -461,3 +461,30 @@ def test_a_small_device_tier_pokes_the_demoter_before_it_is_full():
         assert pokes and cache.tiers[0].used_blocks <= 0.9 * 8
     finally:
         cache.shutdown()
+
+
+def test_no_demotion_batch_starts_while_a_request_waits_for_copies():
+    """A request waiting for copies under way to end (core/eviction.py `wait_for_copies`)
+    keeps the demoters from starting new batches: otherwise each new batch of the very blocks
+    it is about to pin would keep it waiting, round after round."""
+    cache = make(8, 16, migrator={"high_watermark": 0.5, "low_watermark": 0.25})
+    try:
+        cache.migrator.stop()                       # the demoter's rounds, by hand below
+        for i in range(4):                          # 8 of 8 device blocks used
+            cache_prompt(cache, [i * 100 + j for j in range(2 * BS)])
+        mig, space = cache.migrator, cache.index.space
+        with cache.locked():
+            space.waiting += 1
+        try:
+            mig._lowering[0] = False
+            assert mig._plan_demotion(0, None) is None
+        finally:
+            with cache.locked():
+                space.waiting -= 1
+        plan = mig._plan_demotion(0, None)
+        assert plan                                 # above the watermark: a batch
+        from tiered_cache.core import moves
+
+        moves.commit_demotion(cache.index, plan, False)
+    finally:
+        cache.shutdown()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 from _thread import RLock as _RLock
+from _thread import allocate_lock
 from collections.abc import Callable
 
 # 1 us .. ~4 s, 4 buckets per octave
@@ -24,18 +25,26 @@ BUCKETS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 4) for i in range(88))
 
 
 class HoldStats:
+    """Durations in log-spaced buckets. `observe` may run on several threads at once (a hold
+    is observed after its lock's release): it takes a C-level mutex of its own."""
+
     def __init__(self) -> None:
+        self._mutex = allocate_lock()
+        self._clear()
+
+    def _clear(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)
         self.total = 0
         self.sum = 0.0
         self.max = 0.0
 
     def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.total += 1
-        self.sum += seconds
-        if seconds > self.max:
-            self.max = seconds
+        with self._mutex:
+            self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+            self.total += 1
+            self.sum += seconds
+            if seconds > self.max:
+                self.max = seconds
 
     def quantile(self, q: float) -> float:
         """Upper bound of the bucket holding the q-quantile (within 19% above the true value)."""
@@ -50,7 +59,8 @@ class HoldStats:
         return self.max
 
     def reset(self) -> None:
-        self.__init__()
+        with self._mutex:
+            self._clear()
 
     def summary(self) -> dict[str, float]:
         return {"count": self.total, "p50_s": self.quantile(0.5), "p99_s": self.quantile(0.99),
