@@ -74,7 +74,8 @@ class InstrumentedLock(TimedLock):
 
     def __init__(self) -> None:
         super().__init__()
-        # NOTE: its own per-thread state (TimedLock keeps only the holder's depth, on itself).
+        # NOTE: its own per-thread state (TimedLock is the C-level lock and times nothing
+        # itself: the index's commit sections do).
         self._local = threading.local()
         self.wall: dict[str, HoldStats] = {}
         self.cpu: dict[str, HoldStats] = {}
@@ -84,7 +85,7 @@ class InstrumentedLock(TimedLock):
 
     def __enter__(self) -> InstrumentedLock:
         t_req = time.perf_counter()
-        self._lock.acquire()
+        self.acquire()
         local = self._local
         depth = getattr(local, "depth", 0)
         if depth == 0:
@@ -113,13 +114,16 @@ class InstrumentedLock(TimedLock):
             self.cpu_all.observe(cpu)
             if wall > self.SLOW_S:
                 self.slow.append((local.t0, wall, cpu, name))
-        self._lock.release()
+        self.release()
 
     def reset(self) -> None:
-        with self._lock:
+        self.acquire()
+        try:
             self.holds.reset()
             self.wall, self.cpu, self.wait = {}, {}, {}
             self.cpu_all, self.slow = HoldStats(), []
+        finally:
+            self.release()
 
 
 class GcWatch:

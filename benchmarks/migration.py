@@ -192,9 +192,9 @@ def make_cache(args, device: torch.device) -> TieredKVCache:
 
 
 def reset_holds(cache: TieredKVCache) -> None:
-    """Clear the control-plane lock's HoldStats, holding the lock's inner RLock so that no
-    hold is being filed meanwhile (and without filing this one)."""
-    with cache.index.lock._lock:
+    """Clear the control-plane lock's HoldStats (a hold taken outside a commit section, as
+    this one, is not filed; `reset` excludes concurrent observations)."""
+    with cache.index.lock:
         cache.index.lock.holds.reset()
 
 

@@ -17,6 +17,7 @@ from tiered_cache.migrator.health import ThreadHealth
 from tiered_cache.config import CompactorConfig
 from tiered_cache.core import moves
 from tiered_cache.core.index import BlockIndex
+from tiered_cache.errors import CacheBrokenError
 
 log = logging.getLogger("tiered_cache.compactor")
 
@@ -74,5 +75,8 @@ class Compactor:
                 try:
                     while not self._stop.is_set() and self.step(t):
                         pass
+                except CacheBrokenError:    # a torn commit section: nothing more is moved
+                    self.health.record(log, "compaction step (stopped)")
+                    return
                 except Exception:  # noqa: BLE001 - keep the thread alive
                     self.health.record(log, "compaction step")

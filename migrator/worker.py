@@ -41,7 +41,12 @@ from tiered_cache.core.index import BlockIndex
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
-from tiered_cache.errors import CapacityError, TierUnavailableError, TransferError
+from tiered_cache.errors import (
+    CacheBrokenError,
+    CapacityError,
+    TierUnavailableError,
+    TransferError,
+)
 
 log = logging.getLogger("tiered_cache.migrator")
 FaultHook = Callable[[str, int], None]
@@ -164,7 +169,9 @@ class Migrator:
         """Finish the queued copies, then stop every thread. Idempotent."""
         if self._stop.is_set():
             return
-        self.drain()
+        # NOTE: a torn index (core/atomic.py) commits nothing: no point waiting for its jobs
+        # long (and a job counted but never queued would keep the drain waiting).
+        self.drain(30.0 if self.index.broken is None else 1.0)
         self._stop.set()
         self.poke()
         for _ in range(self.config.num_workers):
@@ -352,6 +359,10 @@ class Migrator:
                 wake.clear()
                 try:
                     self._demote_round(src, copier, copy)
+                except CacheBrokenError:
+                    # NOTE: a torn commit section (core/atomic.py): nothing more is moved.
+                    self.health.record(log, f"watermark demotion of tier {src} (stopped)")
+                    return
                 except Exception:
                     self.health.record(log, f"watermark demotion of tier {src}")
                     time.sleep(0.05)        # back off; the state is consistent (see below)
@@ -394,12 +405,22 @@ class Migrator:
         if self._paused[src] > time.monotonic():
             return None
         with idx.locked():
+            if idx.space.waiting:
+                # NOTE: a request waits for copies under way to end (core/eviction.py): start
+                # no new batch until it got its room (it evicts synchronously if it must),
+                # or a batch of the very blocks it is about to pin would keep it waiting.
+                return None
             tier = idx.tiers[src]
             cap = tier.capacity_blocks
             in_flight = len(pending) if pending else 0
             used = tier.used_blocks - in_flight
-            excess = used - int(cfg.low_watermark * cap)
-            if used <= cfg.high_watermark * cap and not self._lowering[src]:
+            floor = int(cfg.low_watermark * cap)
+            due = used > cfg.high_watermark * cap
+            if src == DEVICE:
+                floor, short = _headroom(cap, floor, used, idx.space.demand, cfg.batch_blocks)
+                due = due or short
+            excess = used - floor
+            if not due and not self._lowering[src]:
                 return None
             if excess <= 0:
                 self._lowering[src] = False
@@ -417,7 +438,11 @@ class Migrator:
         tiers = [t.index for t in idx.tiers if t.persistent]
         while not self._stop.wait(0.01):
             for t in tiers:
-                slots = idx.space.take_erasures(t)
+                try:
+                    slots = idx.space.take_erasures(t)
+                except CacheBrokenError:    # a torn commit section: nothing more is erased
+                    self.health.record(log, f"erasing records of tier {t} (stopped)")
+                    return
                 if not slots:
                     continue
                 try:
@@ -478,6 +503,25 @@ class Migrator:
     def _sync(stream) -> None:
         if stream is not None:
             stream.synchronize()
+
+
+def _headroom(cap: int, floor: int, used: int, demand: int, batch: int) -> tuple[int, bool]:
+    """(the device tier's demotion floor, whether it is short of room now) given `demand`,
+    the blocks one request has recently allocated there (core/eviction.py).
+
+    NOTE: the watermarks alone leave `cap - low_watermark * cap` blocks free after a round;
+    in a small tier that is less than two requests' worth (8 blocks, 0.9/0.8: the demoter
+    starts only once the tier is full and frees 2), so every request that comes before the
+    round ends evicts synchronously under the lock. There the demoter keeps two requests'
+    worth free (at most one batch more than the low watermark) and starts as soon as less is
+    free. Where one request is a large part of the tier (more than a quarter) no headroom
+    helps, and the watermarks stand."""
+    want = 2 * demand
+    gap = cap - floor
+    if not 0 < want <= cap // 2 or want <= gap:
+        return floor, False
+    want = min(want, gap + batch)
+    return cap - want, cap - used < want
 
 
 def promote(index: BlockIndex, executor, migrator: Migrator | None, plan: list[Transfer],

@@ -312,11 +312,13 @@ def cached_prefix_blocks(cache: TieredKVCache, token_ids, salt=None) -> int:
 @pytest.fixture(autouse=True)
 def invariants_after_test(monkeypatch):
     """Autouse where imported: every cache built by the test must satisfy the core invariants
-    when it ends."""
+    when it ends (except one that refuses every call because a commit section was torn,
+    core/atomic.py: its state is not meant to be whole, and it serves nothing)."""
     caches = track_caches(monkeypatch)
     yield
     for cache in caches:
-        check_invariants(cache)
+        if cache.index.broken is None:
+            check_invariants(cache)
 
 
 def track_caches(monkeypatch) -> list[TieredKVCache]:

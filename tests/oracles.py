@@ -80,14 +80,14 @@ def expected_attention(cache: TieredKVCache, q: torch.Tensor, seqs, layer: int) 
 
 
 def lock_usable(cache: TieredKVCache, timeout: float = 10.0) -> bool:
-    """Whether another thread can take the control-plane lock (`cache.locked()`) within
+    """Whether another thread can take the control-plane lock (`cache.index.lock`) within
     `timeout` seconds. (The lock is re-entrant: one leaked by the calling thread would still
     let the caller itself in.) A probe that never gets the lock stays blocked on its daemon
     thread; the test fails anyway."""
     got = threading.Event()
 
     def probe() -> None:
-        with cache.locked():
+        with cache.index.lock:
             got.set()
 
     threading.Thread(target=probe, name="lock-probe", daemon=True).start()

@@ -301,3 +301,63 @@ def test_replay_runs_with_a_disk_tier():
 
 def _script(code: str) -> str:
     return textwrap.dedent(code)
+
+
+def _busy_in(cache, tokens, tier: int) -> bool:
+    """Whether every block of `tokens` is cached and being copied out of `tier`."""
+    from tests.helpers import keys_of
+
+    with cache.locked():
+        ids = [cache.index.lookup(k) for k in keys_of(cache, tokens)]
+        t = cache.index.blocks
+        return bool(ids) and all(b is not None and t.busy_tiers[b] >> tier & 1 for b in ids)
+
+
+def test_open_waits_for_a_disk_copy_that_holds_device_slots_instead_of_refusing(tmp_path):
+    """gpu 8, host 8, disk, one thread of requests. The host -> disk copy of prompt P is held
+    (the fault hook waits on an event) while P is opened again: P's blocks are promoted to
+    the device with that copy still under way. A request that needs every device slot then
+    meets a shortage that the copy's end will lift: it waits for it (bounded by
+    wait_timeout_s) and is served; the copy is released only once the request waits.
+
+    (Regression: P's device copies were counted as evictable, the eviction found no
+    candidate and refused at once: `CapacityError: no evictable block left`, not transient.)"""
+    import threading
+
+    cache = disk_cache(tmp_path)
+    gate, holding = threading.Event(), threading.Event()
+
+    def hook(kind: str, attempt: int) -> None:
+        if kind == "demotion" and threading.current_thread().name.startswith(
+                "tc-demoter-host"):
+            holding.set()
+            assert gate.wait(30)
+
+    cache.migrator.fault_hook = hook
+    try:
+        ps = []
+        for i in range(12):                  # device -> host -> disk: the host copy is held
+            ps.append(prompt(i))
+            serve(cache, ps[-1])
+            if holding.wait(0.2) and any(_busy_in(cache, p, 1) for p in ps):
+                break
+        p = next(p for p in ps if _busy_in(cache, p, 1))
+        got = serve(cache, p)                           # promoted host -> device meanwhile
+        assert got["host"] == len(p)
+        assert _busy_in(cache, p, 0), "a block being copied is busy wherever it has a copy"
+        check_invariants(cache)
+
+        def release() -> None:
+            while not cache.index.space.waiting:
+                time.sleep(0.001)
+            gate.set()
+
+        t = threading.Thread(target=release)
+        t.start()
+        got = serve(cache, prompt(100, blocks=8))     # every device slot
+        t.join()
+        assert gate.is_set() and got["gpu"] == 0
+        check_invariants(cache)
+    finally:
+        gate.set()
+        cache.shutdown()

@@ -425,3 +425,66 @@ def test_demotion_batches_of_one_long_chain_pipeline_in_chain_order():
     check_data(cache, seq, prompt)
     cache.close(seq)
     cache.shutdown()
+
+
+@pytest.mark.parametrize("cap, floor, used, demand, batch, want", [
+    # a small tier: the watermarks leave 2 free (8 at 0.9/0.8) for 2-block requests: keep 4
+    (8, 6, 5, 2, 64, (4, True)),
+    (8, 6, 4, 2, 64, (4, False)),
+    (8, 6, 8, 2, 1, (5, True)),         # at most one batch below the low watermark
+    # watermarks that already leave two requests' worth, or requests too big to help
+    (1000, 800, 950, 64, 64, (800, False)),
+    (8, 6, 8, 3, 64, (6, False)),       # 2 x 3 > 8 // 2: one request is most of the tier
+    (65536, 52428, 65000, 62500, 64, (52428, False)),     # a 1M-token prompt
+    (8, 6, 8, 0, 64, (6, False)),       # nothing allocated yet
+])
+def test_the_device_demoter_keeps_room_for_two_requests_in_a_small_tier(
+        cap, floor, used, demand, batch, want):
+    """(Regression: with an 8-block device tier the demoter started only once the tier was
+    full and freed 2 blocks, so about half of back-to-back 2-block requests evicted
+    synchronously.)"""
+    from tiered_cache.migrator.worker import _headroom
+
+    assert _headroom(cap, floor, used, demand, batch) == want
+
+
+def test_a_small_device_tier_pokes_the_demoter_before_it_is_full():
+    """The allocation that leaves less than two recent requests' worth free asks the
+    demoter to run, below the high watermark too."""
+    pokes = []
+    cache = make(8, 16, migrator={"enabled": False})
+    try:
+        cache.index.space.on_pressure = lambda: pokes.append(1)
+        for i in range(3):                          # 2 blocks each: 6 of 8 used, 2 free
+            cache_prompt(cache, [i * 100 + j for j in range(2 * BS)])
+        assert cache.index.space.demand == 2
+        assert pokes and cache.tiers[0].used_blocks <= 0.9 * 8
+    finally:
+        cache.shutdown()
+
+
+def test_no_demotion_batch_starts_while_a_request_waits_for_copies():
+    """A request waiting for copies under way to end (core/eviction.py `wait_for_copies`)
+    keeps the demoters from starting new batches: otherwise each new batch of the very blocks
+    it is about to pin would keep it waiting, round after round."""
+    cache = make(8, 16, migrator={"high_watermark": 0.5, "low_watermark": 0.25})
+    try:
+        cache.migrator.stop()                       # the demoter's rounds, by hand below
+        for i in range(4):                          # 8 of 8 device blocks used
+            cache_prompt(cache, [i * 100 + j for j in range(2 * BS)])
+        mig, space = cache.migrator, cache.index.space
+        with cache.locked():
+            space.waiting += 1
+        try:
+            mig._lowering[0] = False
+            assert mig._plan_demotion(0, None) is None
+        finally:
+            with cache.locked():
+                space.waiting -= 1
+        plan = mig._plan_demotion(0, None)
+        assert plan                                 # above the watermark: a batch
+        from tiered_cache.core import moves
+
+        moves.commit_demotion(cache.index, plan, False)
+    finally:
+        cache.shutdown()

@@ -51,7 +51,7 @@ PARTS = {
     "space": (Space, {"room", "check_room", "allocate", "reserve", "reserve_at", "unreserve",
                       "free_slot", "evict", "admits", "turned_away", "take_victims", "recheck",
                       "note_evictions", "take_erasures", "erased", "grow_tier",
-                      "finish_shrink"}),
+                      "finish_shrink", "copy_ended", "wait_for_copies", "copies_hold"}),
     "keyed": (KeyedTiers, {"loadable", "extend", "load_after", "note_skipped", "plan_puts",
                            "forget_puts", "commit_puts"}),
     "persist": (Persistence, {"record_meta", "lend", "unlend", "blocks_in", "adopt",

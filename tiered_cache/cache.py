@@ -32,6 +32,7 @@ from tiered_cache.core.tier import DEVICE, TierState
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import (
     ArgumentError,
+    CacheBrokenError,
     CacheClosedError,
     CapacityError,
     ConfigError,
@@ -127,15 +128,10 @@ class TieredKVCache:
             return
         self._closed = True
         self.stack.stop_workers()
-        # Writes and reads running outside the lock finish first.
-        deadline = time.monotonic() + 30.0
-        while any(s.writing or s.readers for s in self.index.open_sequences()) and \
-                time.monotonic() < deadline:
-            time.sleep(0.001)
-        for seq in self.index.open_sequences():
-            if seq.writing or seq.readers:      # still busy after 30 s: leave it open
-                continue
-            self.index.close(seq)
+        if self.index.broken is None:
+            self._close_sequences()
+        # NOTE: after a torn section (core/atomic.py) no sequence is closed, and the tiers'
+        # close writes nothing down from a state that may be half changed (tiers/disk.py).
         self.stack.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
@@ -143,6 +139,18 @@ class TieredKVCache:
             server.server_close()
             thread.join(timeout=5)
             self._metrics_server = None
+
+    def _close_sequences(self) -> None:
+        """Writes and reads running outside the lock finish first (up to 30 s); then every
+        open sequence is closed (one still busy is left open)."""
+        deadline = time.monotonic() + 30.0
+        while any(s.writing or s.readers for s in self.index.open_sequences()) and \
+                time.monotonic() < deadline:
+            time.sleep(0.001)
+        for seq in self.index.open_sequences():
+            if seq.writing or seq.readers:
+                continue
+            self.index.close(seq)
 
     @property
     def closed(self) -> bool:
@@ -168,6 +176,7 @@ class TieredKVCache:
         deadline = time.monotonic() + self.config.migrator.wait_timeout_s
         while True:
             seq = None
+            since = self.index.space.ended
             try:
                 with atomic():
                     seq = self.index.open(tokens, salt=salt, adapter_id=adapter_id,
@@ -175,22 +184,32 @@ class TieredKVCache:
                     if self.stores and not interrupt_pending():
                         self.stack.load_keyed(seq)
                 return seq
-            except KeyboardInterrupt:
-                # NOTE: an interrupt deferred anywhere in the section (or landing after it)
-                # is raised before the caller has `seq`: give it back first, in a section of
-                # its own so that a second interrupt cannot cut the close.
+            except BaseException as exc:
+                # NOTE: whatever is raised once the index handed `seq` over (an interrupt
+                # deferred anywhere in the section and raised at its end, the SystemExit of a
+                # deferred SIGTERM handler, an error of a shared tier's load) reaches a caller
+                # who never gets `seq`: give it back first, in a section of its own so that a
+                # second interrupt cannot cut the close.
                 if seq is not None:
                     with atomic():
                         if not seq.closed:
                             self.index.close(seq)
-                raise
-            except CapacityError as exc:
-                # Room is short only because background copies still hold slots they are
-                # about to free: wait for them outside the lock and try again.
-                if not exc.transient or time.monotonic() > deadline:
                     raise
-            time.sleep(0.0005)
-            self._check_alive()
+                self._wait_for_room(exc, since, deadline)
+
+    def _wait_for_room(self, exc: BaseException, since: int, deadline: float) -> None:
+        """After a failed open/append: re-raise unless it was a transient shortage (copies under
+        way hold the room) and `migrator.wait_timeout_s` has not passed; then wait, outside
+        the lock and interruptibly, until a copy ends (core/eviction.py `wait_for_copies`)."""
+        if not (isinstance(exc, CapacityError) and exc.transient):
+            raise exc
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CapacityError(f"{exc} (still short after waiting "
+                                f"{self.config.migrator.wait_timeout_s:g} s, "
+                                "migrator.wait_timeout_s, for copies under way)") from exc
+        self.index.space.wait_for_copies(since, left)
+        self._check_alive()
 
     def can_open(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
@@ -207,13 +226,12 @@ class TieredKVCache:
         tokens = as_token_array(token_ids)
         deadline = time.monotonic() + self.config.migrator.wait_timeout_s
         while True:
+            since = self.index.space.ended
             try:
                 self.index.append(seq, tokens)
                 return
             except CapacityError as exc:
-                if not exc.transient or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.0005)
+                self._wait_for_room(exc, since, deadline)
 
     def write(self, seq: Sequence, layer: int, key, value) -> None:
         """Write the KV of the next `n` unwritten tokens of `layer` (`key`/`value`: `[n, H, D]`).
@@ -237,7 +255,7 @@ class TieredKVCache:
                     # compacted), private until every layer is written, and close() refuses
                     # while `writing` is set, so no other thread reads or reuses them meanwhile.
                     # Writes to different layers may run in parallel.
-                    with idx.lock:
+                    with atomic(), idx.lock:
                         flat = self._flat_index(seq, start, start + n)
                     pool = self.pools[DEVICE]
                     dev = pool.kv.device
@@ -490,6 +508,11 @@ class TieredKVCache:
     def _check_alive(self) -> None:
         if self._closed:
             raise CacheClosedError("the cache was shut down; build a new TieredKVCache")
+        if self.index.broken is not None:
+            raise CacheBrokenError(f"a commit section was cut by {self.index.broken}, which "
+                                   "could not be deferred (core/atomic.py): the state may be "
+                                   "half changed, so this cache refuses every call; build a "
+                                   "new TieredKVCache")
 
     def _need_storage(self, what: str) -> None:
         if not self.has_storage:

@@ -82,6 +82,13 @@ class CacheClosedError(TieredCacheError, RuntimeError):
     """The cache was shut down; every call after `shutdown()` raises this."""
 
 
+class CacheBrokenError(CacheClosedError):
+    """An asynchronous exception that could not be deferred (not a signal: a trace function,
+    `PyThreadState_SetAsyncExc`, a handler installed after the cache) cut a commit section:
+    the control-plane state may be half changed, so the cache refuses every call from then on
+    (a miss, never wrong KV). Build a new cache. See core/atomic.py."""
+
+
 class KVValueError(TieredCacheError, ValueError):
     """KV values the cache refuses to store: NaN or infinity (see `allow_non_finite_kv`)."""
 

@@ -1,29 +1,69 @@
 """Commit sections: state changes that an asynchronous exception cannot cut in half.
 
-A KeyboardInterrupt (SIGINT) can arrive between any two bytecodes of the main thread. Landing in
-the middle of a control-plane mutation (a block half published, a pin counted in one place and
-not the other) would leave the index inconsistent, and the next request could be handed another
-prompt's KV. So every mutation of `BlockIndex` runs inside `atomic()`: a SIGINT that arrives
-meanwhile is recorded and raised when the outermost section ends, once the state is whole again.
+An asynchronous exception is one raised at a point the code did not choose: KeyboardInterrupt
+from SIGINT, SystemExit from an application's SIGTERM handler that calls `sys.exit`, any
+exception any Python signal handler raises (they run on the main thread, between two
+bytecodes), or one a debugger, a trace function or `PyThreadState_SetAsyncExc` injects into a
+thread. Landing in the middle of a control-plane mutation (a block half published, a pin
+counted in one place and not the other) would leave the index inconsistent, and the next request
+could be handed another prompt's KV. So every mutation of `BlockIndex` runs inside `atomic()`.
 
-Work that may fail or take long (copies, waits) stays outside commit sections and releases what
-it holds in `try/finally`; commit sections are short and only touch control-plane memory.
+Two mechanisms, by what can be deferred:
 
-NOTE: the SIGINT handler is installed only where that is possible and polite: from the main
-thread, and only over Python's default handler (an application that installed its own keeps it).
+- **Signals** (the only source of asynchronous exceptions in a normal program). `install()`
+  wraps the Python handler of every signal that has one (SIGINT's default handler, which raises
+  KeyboardInterrupt, and any handler the application installed before the cache was built):
+  a signal that arrives while the main thread is inside a section is recorded, and its handler
+  runs when the outermost section ends, once the state is whole again. Whatever the handler
+  raises is raised there. A section that ends by an exception still runs it (the interrupt is
+  never swallowed: its exception replaces the section's).
+- **Everything else** cannot be deferred by Python code. A section that an exception which is
+  not an `Exception` (KeyboardInterrupt, SystemExit, ...) leaves is *torn*: the state it was
+  changing may be half changed. The tear is recorded and every `BlockIndex` that exists then is
+  told (`on_tear`): it refuses every later call (`CacheBrokenError`, a miss, never wrong data)
+  and its background threads stop moving data. The control-plane lock is a C-level lock
+  (locking.py), so a tear never leaves it held.
+
+NOTE: the lock's own bookkeeping (the timing of a hold, `HoldStats`) runs inside the section
+that holds the lock: `TimedLock.__enter__` notes the hold, and the section observes it as it
+ends, after the lock's C-level release and before the deferred handlers run.
+
+NOTE: handlers installed after the last cache was built are not wrapped (`install()` again, or
+build the cache after installing them); a signal they raise in a section is then a tear.
 `active()` tells whether the calling thread is inside a section; the interrupt-injection tests
-use it to raise only where a real SIGINT could land.
+use it and the installed handlers to raise only where a real signal could land.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
+import weakref
+from collections.abc import Callable
 
 _local = threading.local()
 _main = threading.main_thread().ident
-_installed = False
-_pending = False            # a SIGINT arrived while the main thread was inside a section
+_get_ident = threading.get_ident
+_perf = time.perf_counter
+
+_deferred: dict[int, tuple[Callable, object]] = {}
+"""Signals that arrived while the main thread was inside a section: signum -> (the handler it
+was to run, the frame it landed in), in arrival order; each signal once, as the OS
+coalesces a signal that is already pending."""
+
+_DEFER_EXC = -1          # the key of `defer_interrupt()`'s entry (no signal number)
+
+DEFER_LIMIT_S = 10.0
+"""A signal is deferred only while the outermost section has run less than this long. Sections
+last micro- to milliseconds; past the limit the handler runs at once (a section it cuts is then
+torn: refused, never wrong data). It bounds how long Ctrl-C can wait, and keeps signals working
+if a non-deferrable exception ever landed in a section's own exit lines and left the thread
+counted as inside one."""
+
+_tears: list[str] = []   # what tore a section, oldest first (bounded)
+_tear_listeners: list[weakref.ref] = []   # weak references to callables told of a tear
 
 
 def _depth() -> int:
@@ -32,57 +72,170 @@ def _depth() -> int:
 
 def active() -> bool:
     """Whether the calling thread is inside a commit section."""
-    return _depth() > 0
+    return getattr(_local, "depth", 0) > 0
 
 
-def defer_interrupt() -> None:
-    """Record an interrupt to raise when the calling thread's outermost section ends (what the
-    SIGINT handler does; tests call it to simulate one)."""
-    global _pending
-    _pending = True
+def defer_interrupt(exc: type[BaseException] | BaseException = KeyboardInterrupt) -> None:
+    """Record an exception to raise when the main thread's outermost section ends (what a
+    deferred SIGINT does; tests call it to simulate one)."""
+    def _raise(signum=None, frame=None):
+        raise exc
+    _deferred.setdefault(_DEFER_EXC, (_raise, None))
 
 
 def interrupt_pending() -> bool:
-    """Whether an interrupt waits for the outermost section to end (a section that hands a
-    resource to its caller releases it first, since the caller will never see it)."""
-    return _pending and threading.get_ident() == _main
+    """Whether a deferred signal waits for the outermost section to end (a section that hands
+    a resource to its caller releases it first, since the caller will never see it)."""
+    return bool(_deferred) and _get_ident() == _main
 
 
-def _on_sigint(signum, frame) -> None:
-    if threading.get_ident() == _main and _depth() > 0:
-        defer_interrupt()
-        return
-    signal.default_int_handler(signum, frame)
+class _Deferring:
+    """A signal handler's stand-in: inside a section of the main thread the handler's call
+    waits for the section's end; anywhere else it runs at once."""
+
+    __slots__ = ("handler", "__weakref__")
+
+    def __init__(self, handler: Callable) -> None:
+        self.handler = handler
+
+    def __call__(self, signum: int, frame) -> None:
+        if _get_ident() == _main and getattr(_local, "depth", 0) > 0 and \
+                _perf() - _local.since < DEFER_LIMIT_S:
+            _deferred.setdefault(signum, (self.handler, frame))
+            return
+        self.handler(signum, frame)
+
+    def __repr__(self) -> str:
+        return f"<deferred in commit sections: {self.handler!r}>"
+
+
+def _signals() -> list[int]:
+    try:
+        return sorted(signal.valid_signals())
+    except (AttributeError, ValueError):        # pragma: no cover - exotic platforms
+        return [signal.SIGINT]
 
 
 def install() -> None:
-    """Defer SIGINT inside commit sections (idempotent; a no-op off the main thread or when the
-    application has its own SIGINT handler)."""
-    global _installed
-    if _installed or threading.get_ident() != _main:
+    """Wrap the Python handler of every signal that has one so that it waits for commit
+    sections to end (idempotent; a no-op off the main thread). Handlers already wrapped, and
+    signals with no Python handler (SIG_DFL, SIG_IGN, C handlers), are left alone."""
+    if _get_ident() != _main:
         return
-    try:
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_sigint)
-        _installed = True
-    except (ValueError, OSError):       # not the main interpreter, or no signals here
-        _installed = True
+    for signum in _signals():
+        try:
+            handler = signal.getsignal(signum)
+        except (ValueError, OSError):
+            continue
+        if handler is None or handler in (signal.SIG_DFL, signal.SIG_IGN) \
+                or isinstance(handler, _Deferring) or not callable(handler):
+            continue
+        try:
+            signal.signal(signum, _Deferring(handler))
+        except (ValueError, OSError, RuntimeError):    # not settable here
+            continue
+
+
+def on_tear(listener: Callable[[str], None]) -> None:
+    """`listener(what)` is called when a section is torn (see the module doc). Held weakly (a
+    bound method through its object): a listener that goes away is forgotten."""
+    ref = weakref.WeakMethod(listener) if hasattr(listener, "__self__") else \
+        weakref.ref(listener)
+    _tear_listeners[:] = [r for r in _tear_listeners if r() is not None] + [ref]
+
+
+def tears() -> list[str]:
+    """Descriptions of the sections torn in this process so far (oldest first)."""
+    return list(_tears)
+
+
+def _torn(exc_type: type, exc: BaseException | None, section) -> None:
+    """A section was left by an exception that cannot be one of the code's own (not an
+    `Exception`): the state it changed may be half changed. Tell every listener. `section`:
+    the frame whose `with atomic()` it left."""
+    if exc is not None:
+        if getattr(exc, "_tiered_cache_torn", False):
+            return              # the same exception, leaving an enclosing section
+        try:
+            exc._tiered_cache_torn = True
+        except AttributeError:  # pragma: no cover - an exception type without a __dict__
+            pass
+    tb = exc.__traceback__ if exc is not None else None
+    landed = "?"
+    while tb is not None:
+        landed = f"{tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    code = section.f_code if section is not None else None
+    what = (f"{exc_type.__name__} (raised at {landed}) in the section of "
+            f"{code.co_qualname if code else '?'} ({code.co_filename if code else '?'})")
+    if len(_tears) < 64:
+        _tears.append(what)
+    for ref in list(_tear_listeners):
+        listener = ref()
+        if listener is None:
+            continue
+        try:
+            listener(what)
+        except Exception:       # noqa: BLE001 - a listener never makes the tear worse
+            pass
+
+
+def note_hold(lock) -> None:
+    """The calling thread's current section has just taken `lock` (outermost): the hold is
+    timed from now and observed into `lock.holds` when the section ends (locking.py)."""
+    depth = getattr(_local, "depth", 0)
+    if depth <= 0:
+        return                  # not inside a section: untimed
+    holds = getattr(_local, "holds", None)
+    if holds is None:
+        holds = _local.holds = []
+    holds.append((depth, lock, _perf()))
 
 
 class _Section:
     __slots__ = ()
 
     def __enter__(self) -> None:
-        _local.depth = getattr(_local, "depth", 0) + 1     # (`_depth()`, inlined: hot)
+        depth = getattr(_local, "depth", 0)
+        if not depth:
+            _local.since = _perf()
+        _local.depth = depth + 1
 
-    def __exit__(self, *exc) -> None:
-        global _pending
-        depth = _local.depth - 1
-        _local.depth = depth
-        if depth == 0 and _pending and threading.get_ident() == _main:
-            _pending = False
-            if exc[0] is None:
-                raise KeyboardInterrupt
+    def __exit__(self, exc_type, exc, tb) -> None:
+        depth = _local.depth
+        try:
+            if exc_type is not None and not issubclass(exc_type, (Exception, GeneratorExit)):
+                _torn(exc_type, exc, sys._getframe(1))
+            holds = getattr(_local, "holds", None)
+            if holds:
+                now = _perf()
+                while holds and holds[-1][0] >= depth:
+                    _, lock, t0 = holds.pop()
+                    lock.holds.observe(now - t0)
+        finally:
+            _local.depth = depth - 1
+        if depth == 1 and _deferred and _get_ident() == _main:
+            _run_deferred()
+
+
+def _run_deferred() -> None:
+    """The outermost section of the main thread ended and the state is whole: run what the
+    signals that landed inside it wanted, in arrival order.
+
+    NOTE: a handler that raises ends the section with its exception (KeyboardInterrupt
+    replaces a CapacityError the section was raising: the user asked to stop); signals still
+    waiting behind it are delivered again (`signal.raise_signal`), so none is lost."""
+    try:
+        while _deferred:
+            signum = next(iter(_deferred))
+            handler, frame = _deferred.pop(signum)
+            handler(signum if signum != _DEFER_EXC else None, frame)
+    except BaseException:
+        rest = [s for s in _deferred if s != _DEFER_EXC]
+        _deferred.clear()
+        for signum in rest:
+            signal.raise_signal(signum)
+        raise
 
 
 _SECTION = _Section()

@@ -62,6 +62,13 @@ class BatchOps:
             pinning = int(np.count_nonzero(on_dev if unpinned is None else unpinned & on_dev))
         return Survey(ids, copies, unpinned, promote, pinning, refs)
 
+    def _busy_pinning(self, s: Survey) -> int:
+        """How many of the blocks `_pin_all` would newly pin in the device tier are busy there
+        (a copy of them is under way)."""
+        t = self.blocks
+        busy = (t.view("busy_tiers")[s.ids] & 1).astype(bool) & s.copies[0]
+        return int(np.count_nonzero(busy if s.unpinned is None else busy & s.unpinned))
+
     def _pin_all(self, s: Survey) -> None:
         """ref_count += 1 for the chain; newly pinned blocks leave the candidate sets they no
         longer belong to."""

@@ -29,6 +29,8 @@ class Copies:
         ix._slots[t][b] = slot
         tier = ix.tiers[t]
         tier.owner[slot] = b
+        if ix.blocks.busy_tiers[b]:
+            self._busy(b, t, True)
         if ix._ref[b]:
             tier.pinned_blocks += 1
         p = ix._parent[b]
@@ -47,6 +49,9 @@ class Copies:
         s_slots[b] = NO_SLOT
         ix._slots[dst][b] = slot
         d_tier.owner[slot] = b
+        if ix.blocks.busy_tiers[b]:
+            self._busy(b, src, False)
+            self._busy(b, dst, True)
         if ix._ref[b]:
             s_tier.pinned_blocks -= 1
             d_tier.pinned_blocks += 1
@@ -64,6 +69,8 @@ class Copies:
         mine = ix._slots[t]
         tier.give_back(mine[b])
         mine[b] = NO_SLOT
+        if ix.blocks.busy_tiers[b]:
+            self._busy(b, t, False)
         if ix._ref[b]:
             tier.pinned_blocks -= 1
         p = ix._parent[b]
@@ -71,6 +78,20 @@ class Copies:
             ix._kids[t][p] -= 1
             ix._refresh(p)
         ix._refresh(b)
+
+    def _busy(self, b: int, t: int, has: bool) -> None:
+        """b is being copied (`begin_move`) and gains (`has`) or loses its copy in tier t:
+        that tier's `busy` count follows, so room never counts a copy that cannot be evicted
+        before the move ends (a block promoted to the device while a copy of it goes from host
+        to disk is busy on the device too)."""
+        bit = 1 << t
+        table = self.ix.blocks
+        if has and not table.busy_tiers[b] & bit:
+            table.busy_tiers[b] |= bit
+            self.ix.tiers[t].busy += 1
+        elif not has and table.busy_tiers[b] & bit:
+            table.busy_tiers[b] &= ~bit
+            self.ix.tiers[t].busy -= 1
 
     def remap(self, b: int, t: int, slot: int) -> None:
         """b's copy in tier t moves to `slot` of the same tier (already reserved by the
@@ -113,3 +134,4 @@ class Copies:
             ix._release(b)              # dropped while in flight
         else:
             ix._refresh(b)
+        ix.space.copy_ended()

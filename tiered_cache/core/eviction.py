@@ -16,9 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
+from tiered_cache.core.wakeup import Wakeup
 from tiered_cache.errors import CapacityError, TransferError
 
 if TYPE_CHECKING:
@@ -46,6 +48,16 @@ class Space:
     plane can follow up (a put to a shared store)."""
     seen: OrderedDict[int, None] = field(default_factory=OrderedDict)
     """hash(key) of blocks turned away from a tier (admission), oldest first, bounded."""
+    ended: int = 0
+    """Copies under way that ended (or reservations given back): a request waiting for room
+    that such copies hold waits until this moves (`wait_for_copies`)."""
+    waiting: int = 0
+    """Requests waiting for copies under way to end: the demoters start no new batch meanwhile
+    (migrator/worker.py), so the copies they wait for are the last ones."""
+    copies_ended: Wakeup = field(default_factory=Wakeup)
+    demand: int = 0
+    """Device slots one request allocated recently (the largest, decaying): the demoter keeps
+    room for two in a small tier (migrator/worker.py `_headroom`)."""
 
     def admits(self, t: int, b: int) -> bool:
         """Whether demotion into tier t takes block b: reused at least `admit_min_hits` times,
@@ -90,19 +102,33 @@ class Space:
         return (a.num_free + a.num_used - a.draining - tier.pinned_blocks - tier.reserved
                 - tier.busy)
 
-    def check_room(self, t: int, n: int, extra_pinned: int = 0) -> None:
-        """Raise CapacityError (transient when copies under way will free enough) unless tier t
-        can provide n slots with `extra_pinned` more of its blocks pinned."""
+    def check_room(self, t: int, n: int, extra_pinned: int = 0, busy_pinned: int = 0) -> None:
+        """Raise CapacityError unless tier t can provide n slots with `extra_pinned` more of
+        its blocks pinned (`busy_pinned` of them busy: `room` already left them out).
+
+        The error is transient (`exc.transient`: waiting helps) iff the slots would be there
+        once every copy under way has ended: busy copies become evictable, reserved slots
+        become blocks' or free again; pinned blocks stay pinned. Otherwise the shortage is
+        real and the message says by how much."""
         tier = self.ix.tiers[t]
-        room = self.room(t) - extra_pinned
+        room = self.room(t) - extra_pinned + busy_pinned
         if room < n:
+            held = tier.busy + tier.reserved
             exc = CapacityError(
                 f"tier {tier.name!r} cannot provide {n} blocks: {tier.allocator.num_free} "
                 f"free, {tier.pinned_blocks + extra_pinned} pinned, "
-                f"{tier.reserved + tier.busy} held by copies under way, of "
-                f"{tier.capacity_blocks}")
-            exc.transient = room + tier.busy + tier.reserved >= n
+                f"{held} held by copies under way, of {tier.capacity_blocks}")
+            exc.transient = room - busy_pinned + held >= n
             raise exc
+
+    def copies_hold(self, t: int) -> bool:
+        """Whether copies under way hold slots of tier t that their end makes evictable: busy
+        or reserved slots, or (the device tier) promotions whose sequence closed meanwhile."""
+        ix = self.ix
+        tier = ix.tiers[t]
+        if tier.busy or tier.reserved:
+            return True
+        return t == DEVICE and any(ix._ref[b] == 0 for b in ix.pending)
 
     def allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
         """n free slots of tier t, evicting by policy when needed (lock held by the caller).
@@ -118,9 +144,16 @@ class Space:
                 ix.counters.sync_evictions += 1
             self.evict(t, n - tier.allocator.num_free)
         slots = tier.allocator.allocate(n, hint)
-        if t == DEVICE and self.on_pressure is not None and (
-                tier.allocator.num_used > self.high_watermark * tier.capacity_blocks):
-            self.on_pressure()
+        if t == DEVICE:
+            # NOTE: what one request takes, decaying by 1/8 per allocation: the demoter keeps
+            # room for two of them in a small tier (migrator/worker.py `_headroom`).
+            d = self.demand
+            self.demand = d = n if n > d - (d >> 3) else d - (d >> 3)
+            a = tier.allocator
+            if self.on_pressure is not None and (
+                    a.num_used > self.high_watermark * tier.capacity_blocks
+                    or a.num_free < 2 * d <= tier.capacity_blocks >> 1):
+                self.on_pressure()
         return slots
 
     def reserve(self, t: int, n: int) -> list[int]:
@@ -139,6 +172,26 @@ class Space:
 
     def unreserve(self, t: int, n: int = 1) -> None:
         self.ix.tiers[t].reserved -= n
+        self.copy_ended()
+
+    def copy_ended(self) -> None:
+        """A copy under way ended, or gave back what it held (lock held): room may have grown,
+        so requests waiting for it look again."""
+        self.ended += 1
+        self.copies_ended.notify_all()
+
+    def wait_for_copies(self, since: int, timeout: float) -> bool:
+        """Wait (lock not held, outside commit sections) until a copy under way ends after
+        `ended` was `since`, or `timeout` seconds pass; True if one did. While it waits the
+        demoters start no new batch (`waiting`)."""
+        ix = self.ix
+        with atomic(), ix.lock:
+            self.waiting += 1
+        try:
+            return self.copies_ended.wait_for(lambda: self.ended != since, timeout)
+        finally:
+            with atomic(), ix.lock:
+                self.waiting -= 1
 
     def free_slot(self, t: int, slot: int) -> None:
         """Return a slot no block owns (a reservation that was not used: in a persistent tier
@@ -217,8 +270,12 @@ class Space:
                 if v < 0:
                     # Room counted blocks that are not candidates yet (a parent whose child
                     # is in flight): transient when copies under way will change that.
-                    exc = CapacityError(f"tier {tier.name!r}: no evictable block left")
-                    exc.transient = tier.busy + tier.reserved > 0
+                    exc = CapacityError(
+                        f"tier {tier.name!r}: no evictable block left ({need() - len(freed)} "
+                        f"more needed; {tier.allocator.num_free} free, {tier.pinned_blocks} "
+                        f"pinned, {tier.busy + tier.reserved} held by copies under way, of "
+                        f"{tier.capacity_blocks})")
+                    exc.transient = self.copies_hold(t)
                     raise exc
                 cand[v] &= clear
                 demote = below is not None and later[0][v] == NO_SLOT and (
@@ -424,6 +481,7 @@ class Space:
                 return
             tier.reserved -= len(slots)
             tier.allocator.free(sorted(slots))
+            self.copy_ended()
 
     # ------------------------------------------------------------------ resize (lock taken)
     def grow_tier(self, t: int, n: int) -> None:

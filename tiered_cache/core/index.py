@@ -46,7 +46,6 @@ before the first visible change, or is rolled back.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -55,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiered_cache.core.allocator import SlotAllocator
-from tiered_cache.core.atomic import atomic
+from tiered_cache.core.atomic import atomic, note_hold, on_tear
 from tiered_cache.core.batch import _NO_IDS, BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.copies import Copies
@@ -69,8 +68,10 @@ from tiered_cache.core.state import COUNTERS, BlockState, Counters, Worth
 from tiered_cache.core.tier import DEVICE, KeyedState, TierSpec, TierState
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.core.tree import BlockTree
+from tiered_cache.core.wakeup import Wakeup
 from tiered_cache.errors import (
     BusySequenceError,
+    CacheBrokenError,
     SequenceClosedError,
     ShapeError,
     TransferError,
@@ -105,7 +106,23 @@ class BlockInfo:
 
 
 def _mutator(fn):
-    """Public mutator: runs inside a commit section with the lock held."""
+    """Public mutator: runs inside a commit section with the lock held (refused once a section
+    was torn, see `_torn`)."""
+
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with atomic(), self.lock:
+            if self.broken is not None:
+                _refuse(self.broken)
+            return fn(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _finisher(fn):
+    """The end of something a caller began (a write, a read): runs like a mutator, but is
+    never refused, so the caller's `finally` gives back what it holds and its own exception
+    (an interrupt) is what it sees. On a torn index it changes nothing but the hold."""
 
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
@@ -113,6 +130,12 @@ def _mutator(fn):
             return fn(self, *args, **kwargs)
 
     return wrapper
+
+
+def _refuse(what: str) -> None:
+    raise CacheBrokenError(f"the control-plane state may be half changed: a commit section was "
+                           f"cut by {what}, which could not be deferred (core/atomic.py); "
+                           "this cache refuses every call from now on: build a new one")
 
 
 class BlockIndex(BatchOps, BlockTree, BlockState):
@@ -154,9 +177,11 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         self.open_seqs = {}
         self.clock = 0
         self.counters = Counters()
-        self.lock = TimedLock()
+        self.lock = TimedLock(on_hold=note_hold)
         self.lookups = HoldStats()
-        self.readers_done = threading.Condition()
+        self.readers_done = Wakeup()
+        self.broken = None
+        on_tear(self._torn)
         self.copies = Copies(self)
         self.space = Space(self, run if run is not None else no_copy, on_pressure,
                            high_watermark)
@@ -180,9 +205,19 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
     # ------------------------------------------------------------------ introspection
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the lock inside a commit section (moves, resize, checks)."""
+        """Hold the lock inside a commit section (moves, resize, checks); refused once a
+        section was torn."""
         with atomic(), self.lock:
+            if self.broken is not None:
+                _refuse(self.broken)
             yield
+
+    def _torn(self, what: str) -> None:
+        """A commit section was cut by an exception that could not be deferred (core/atomic.py:
+        any section of the process; which index it was changing cannot be told): from now on
+        every mutator and `locked()` refuse, so nothing is served or moved from a state that
+        may be half changed."""
+        self.broken = what
 
     def tier(self, name: str) -> TierState:
         for t in self.tiers:
@@ -216,11 +251,11 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
 
     def count(self, name: str, n: int = 1) -> None:
         """Bump a counter (the data plane reports retries and failures here)."""
-        with self.lock:
+        with atomic(), self.lock:
             setattr(self.counters, name, getattr(self.counters, name) + n)
 
     def stats(self) -> dict:
-        with self.lock:
+        with atomic(), self.lock:
             c = self.counters.as_dict()
             q = c["query_tokens"]
             every = self.tiers + self.keyed.tiers
@@ -299,7 +334,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
     def peek(self, root_id: int, parent_key: bytes, tokens: np.ndarray) -> int:
         """How many leading blocks of `tokens` after `parent_key` `open_blocks` would find
         (nothing pinned, nothing counted as a use)."""
-        with self.lock:
+        with atomic(), self.lock:
             root = self.root_keys.get(root_id)
             if root is None:
                 return 0
@@ -318,7 +353,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
 
     def known(self, keys: list[bytes]) -> list[bool]:
         """Whether each key names a block in the index."""
-        with self.lock:
+        with atomic(), self.lock:
             prefix = self.prefix
             return [k in prefix for k in keys]
 
@@ -326,19 +361,19 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                       adapter_id: str | None = None) -> tuple[bytes, int]:
         """(key, id) of the root for this salt and adapter, known to the index from now on
         (the node daemon names roots for its clients; `open` does this itself)."""
-        with self.lock:
+        with atomic(), self.lock:
             root, root_id = self.hasher.root(salt, adapter_id)
             self.root_keys[root_id] = root
             return root, root_id
 
     def set_tenant(self, tenant: bytes) -> None:
         """Key roots under `tenant` from now on (hashing.BlockHasher.set_tenant)."""
-        with self.lock:
+        with atomic(), self.lock:
             self.hasher.set_tenant(tenant)
 
     def held_slots(self, seq: Sequence) -> list[int]:
         """Tier-0 slots of the blocks an `open_blocks` handle holds, in chain order."""
-        with self.lock:
+        with atomic(), self.lock:
             self.check_open(seq)
             dev = self._slots[DEVICE]
             return [dev[b] for b in seq.blocks]
@@ -377,7 +412,12 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                 - len(shared))
         # Check room before pinning, so that a refused open leaves even the policies' order
         # untouched: blocks this open would pin stop being evictable.
-        self.space.check_room(DEVICE, need, extra_pinned=survey.pinning)
+        busy = 0
+        if self.tiers[DEVICE].busy and survey.pinning:
+            # NOTE: chain blocks being copied out of the device (a demotion in flight) are
+            # busy there, which room already leaves out: not subtracted twice.
+            busy = self._busy_pinning(survey)
+        self.space.check_room(DEVICE, need, extra_pinned=survey.pinning, busy_pinned=busy)
         self._pin_all(survey)
         try:
             slots = self.space.allocate(DEVICE, need)
@@ -448,7 +488,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
     def can_open(self, num_tokens: int) -> bool:
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
         need = -(-num_tokens // self.block_size)
-        with self.lock:
+        with atomic(), self.lock:
             return self.space.room(DEVICE) >= need
 
     @_mutator
@@ -477,14 +517,14 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         seq.writing.add(layer)
         return start
 
-    @_mutator
+    @_finisher
     def end_write(self, seq: Sequence, layer: int, start: int, n: int, ok: bool,
                   event: object | None = None) -> list[int]:
         """Finish a write begun by `begin_write`; on success advance the layer and publish the
         blocks that became full in every layer. Returns those fresh blocks. `event`: a device
         event recorded after the copy, for sequences waiting on these blocks."""
         seq.writing.discard(layer)
-        if not ok:
+        if not ok or self.broken is not None:
             return []
         seq.written[layer] = start + n
         if event is not None:
@@ -510,6 +550,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with atomic(), self.lock:
+                if self.broken is not None:
+                    return              # torn: nothing is released into a half-changed state
                 self.check_open(seq)
                 if seq.writing:
                     raise BusySequenceError(f"close: sequence {seq.id} is being written by "
@@ -523,8 +565,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             if left is not None and left <= 0:
                 raise BusySequenceError(f"close: sequence {seq.id} is still being read by "
                                         f"{seq.readers} attention call(s)")
-            with self.readers_done:
-                self.readers_done.wait_for(lambda: not seq.readers, left)
+            self.readers_done.wait_for(lambda: not seq.readers, left)
 
     def _close(self, seq: Sequence) -> None:
         self.clock += 1
@@ -639,11 +680,11 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
 
     def end_read(self, seqs: list[Sequence], held: list[int]) -> None:
         with atomic(), self.lock:
-            self._unhold(held)
+            if self.broken is None:             # (torn: only the readers count goes back)
+                self._unhold(held)
             for seq in seqs:
                 seq.readers -= 1
-        with self.readers_done:
-            self.readers_done.notify_all()
+        self.readers_done.notify_all()
 
     def _unhold(self, held: list[int]) -> None:
         flight, ref, key = self._flight, self._ref, self._key

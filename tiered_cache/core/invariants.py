@@ -99,6 +99,14 @@ def check_invariants(target) -> None:
                       "under way (leak)")
             if pinned != tier.pinned_blocks:
                 _fail(f"tier {tier.name}: pinned_blocks {tier.pinned_blocks}, counted {pinned}")
+            # copies of blocks being moved are busy, exactly those (room never counts them)
+            busy = [b for b in live if t.busy_tiers[b] >> i & 1]
+            if len(busy) != tier.busy:
+                _fail(f"tier {tier.name}: busy {tier.busy}, but {len(busy)} blocks being moved "
+                      "have a copy here")
+            for b in busy:
+                if t.slots[i][b] == NO_SLOT or t.in_flight[b] == 0:
+                    _fail(f"block {b}: busy in tier {tier.name} without a copy there in flight")
             # 4. candidates are exactly the evictable blocks
             n_candidates = 0
             for b in live:

@@ -30,6 +30,7 @@ from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.core.tier import DEVICE, KeyedState
 from tiered_cache.core.transfer import RecordMeta, Transfer
+from tiered_cache.errors import CapacityError
 
 if TYPE_CHECKING:
     from tiered_cache.core.index import BlockIndex
@@ -91,7 +92,12 @@ class KeyedTiers:
             parent = seq.chain if m else NO_BLOCK
             if m and (parent < 0 or t.key[parent] is None):
                 return 0                # a block before these is not published (yet)
-            stage = ix.space.reserve(host, n)[::-1] if staged else []
+            try:
+                stage = ix.space.reserve(host, n)[::-1] if staged else []
+            except CapacityError:
+                # NOTE: room counted slots that copies under way hold: a load is an extra, so
+                # the sequence computes these tokens itself (a miss), never a refused open.
+                return 0
             self._begin_load(seq, keyed, m, parent, keys[:n], promote, stage, slots, ticket)
             return n
 
@@ -134,7 +140,10 @@ class KeyedTiers:
             if ix.worth is not None and not ix.worth(keyed.index, n, depth):
                 keyed.skipped += 1      # recomputing them is cheaper: a miss
                 return 0
-            slots = ix.space.allocate(DEVICE, n)
+            try:
+                slots = ix.space.allocate(DEVICE, n)
+            except CapacityError:
+                return 0                # (as in `extend`: a miss, the engine computes them)
             # ---- nothing below fails but the hand-over (promote), which unwinds itself
             dev, owner = ix._slots[DEVICE], ix.tiers[DEVICE].owner
             for j, slot in enumerate(slots):
@@ -223,7 +232,7 @@ class KeyedTiers:
     def note_skipped(self, tier: int) -> None:
         """A lookup was not made, or its blocks not loaded: recomputing was cheaper."""
         ix = self.ix
-        with ix.lock:
+        with atomic(), ix.lock:
             self.tiers[tier].skipped += 1
 
     def plan_puts(self, blocks: list[int], tier: int) -> list[Transfer]:
@@ -234,7 +243,7 @@ class KeyedTiers:
         with atomic(), ix.lock:
             keyed = self.tiers[tier]
             src = keyed.put_from
-            if src is None:                     # a read-only keyed tier
+            if src is None or ix.broken is not None:    # read only, or torn (core/atomic.py)
                 return []
             t = ix.blocks
             bit = 1 << keyed.position

@@ -67,7 +67,7 @@ class Persistence:
     def blocks_in(self, tier: int) -> list[int]:
         """Published blocks with a copy in `tier`, parents before children."""
         ix = self.ix
-        with ix.lock:
+        with atomic(), ix.lock:
             t = ix.blocks
             mine, owner = ix._slots[tier], ix.tiers[tier].owner
             out = [b for s, b in enumerate(owner) if b >= 0 and t.key[b] is not None

@@ -5,15 +5,16 @@ use, so attention on layer l runs while layers after it are still copying.
 
 On a GPU each layer's copy records a CUDA event on the copy stream; `wait` returns it and the
 data plane makes the reader's stream wait on it (no host synchronisation). On CPU a condition
-variable wakes the waiting thread as soon as its layer lands. No torch here: the event is opaque
-to the control plane.
+wake-up (core/wakeup.py: no lock held while waiting, safe against an interrupt at any line)
+wakes the waiting thread as soon as its layer lands. No torch here: the event is opaque to the
+control plane.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 
+from tiered_cache.core.wakeup import Wakeup
 from tiered_cache.errors import PrefixAbortedError, PromotionTimeout, TransferError
 
 
@@ -24,7 +25,7 @@ class LayerReadiness:
         self._ready = 0                       # layers [0, _ready) have landed
         self._events: list[object | None] = [None] * num_layers
         self._error: BaseException | None = None
-        self._cond = threading.Condition()
+        self._landed = Wakeup()
         self.created = time.perf_counter()
         self.zero_copy = True       # False: a block is staged from disk; readers must wait
         self.inflight = False       # True: waits on another sequence computing the blocks
@@ -43,15 +44,13 @@ class LayerReadiness:
 
     def layer_done(self, layer: int, event: object | None = None) -> None:
         """Layers land in order; `event` is a CUDA event recorded after that layer's copy."""
-        with self._cond:
-            self._events[layer] = event
-            self._ready = layer + 1
-            self._cond.notify_all()
+        self._events[layer] = event
+        self._ready = layer + 1
+        self._landed.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        with self._cond:
-            self._error = error
-            self._cond.notify_all()
+        self._error = error
+        self._landed.notify_all()
 
     def wait(self, layer: int, timeout: float | None = None) -> object | None:
         """Block until `layer` has landed (or the promotion failed, or `timeout` passed).
@@ -64,16 +63,12 @@ class LayerReadiness:
         after it gave up."""
         if self._ready > layer and (self._error is None or self.inflight):
             return self._events[layer]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._ready <= layer and self._error is None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise PromotionTimeout(
-                        f"layer {layer} of a promotion of {self.blocks} blocks did not land "
-                        f"within {timeout:.3f} s ({self._ready} of {self.num_layers} layers "
-                        "ready); raise migrator.wait_timeout_s or check the migrator")
-                self._cond.wait(left)
+        if not self._landed.wait_for(lambda: self._ready > layer or self._error is not None,
+                                     timeout):
+            raise PromotionTimeout(
+                f"layer {layer} of a promotion of {self.blocks} blocks did not land "
+                f"within {timeout:.3f} s ({self._ready} of {self.num_layers} layers "
+                "ready); raise migrator.wait_timeout_s or check the migrator")
         if self._error is not None and not (self.inflight and self._ready > layer):
             if isinstance(self._error, PrefixAbortedError):
                 raise PrefixAbortedError(str(self._error)) from self._error

@@ -13,7 +13,6 @@ sets every field (tests/test_state.py checks that none is left unset).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from tiered_cache.core.readiness import LayerReadiness
     from tiered_cache.core.sequence import Sequence
     from tiered_cache.core.tier import TierState
+    from tiered_cache.core.wakeup import Wakeup
     from tiered_cache.hashing import BlockHasher
     from tiered_cache.locking import HoldStats, TimedLock
 
@@ -71,7 +71,7 @@ class Counters:
 COUNTERS = tuple(f.name for f in fields(Counters))
 
 
-@dataclass(slots=True, init=False, eq=False, repr=False)
+@dataclass(slots=True, init=False, eq=False, repr=False, weakref_slot=True)
 class BlockState:
     # ---- fixed at construction
     block_size: int                 # tokens per block
@@ -93,7 +93,8 @@ class BlockState:
     # ---- the lock and what waits on it
     lock: TimedLock                 # re-entrant; public mutators take it (core/atomic.py)
     lookups: HoldStats              # open()'s prefix match + pin + reserve, timed per call
-    readers_done: threading.Condition   # end_read tells close() waiting for attention calls
+    readers_done: Wakeup            # end_read tells close() waiting for attention calls
+    broken: str | None              # a commit section was torn (core/atomic.py): refuse calls
     # ---- the parts (each holds this owner as `ix`)
     copies: Copies                  # where blocks' copies are: set/move/clear/remap, moves
     space: Space                    # room, allocation, eviction, admission, erasure, resize

@@ -92,6 +92,8 @@ class BlockTree:
         their source: a disk record that failed verification loses that copy and is counted;
         a keyed tier's value that was gone or corrupt is counted."""
         with atomic(), self.lock:
+            if self.broken is not None:
+                return          # torn (core/atomic.py): nothing is committed any more
             n_slot = len(self.tiers)
             copies, space, keyed = self.copies, self.space, self.keyed.tiers
             for p in plan:
@@ -131,6 +133,7 @@ class BlockTree:
                 else:
                     self._refresh(b)
                     copies.drop_if_uncached(b)
+            space.copy_ended()          # requests waiting for room look again
 
     def _pin(self: BlockIndex, b: int) -> None:
         r = self._ref[b]

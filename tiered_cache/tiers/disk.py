@@ -176,6 +176,11 @@ class DiskKind(TierKind):
         pool, index = stack.pools[tier], stack.index
         if pool is None:
             return
+        if index.broken is not None:
+            # NOTE: a torn commit section (core/atomic.py): nothing is erased or written down
+            # from a state that may be half changed; the records on disk are whole.
+            pool.close()
+            return
         slots = index.space.take_erasures(tier)
         try:
             pool.erase(slots)
