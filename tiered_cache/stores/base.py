@@ -112,14 +112,19 @@ def check_keys(keys: Sequence[bytes], what: str = "key") -> None:
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password replaced by `***` (for messages and logs)."""
-    parts = urlsplit(url)
+    """`url` with its password replaced by `***` (for messages and logs). A URL that does not
+    parse (a bad port or IPv6 literal) loses everything before its last '@'."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url.rpartition("@")[2] if "@" in url else url
     netloc, query = parts.netloc, parts.query
     if parts.password is not None:
         host = parts.hostname or ""
         if ":" in host:
             host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
     if "password" in query.lower():
         query = urlencode([(k, "***" if k.lower() == "password" else v)
                            for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")

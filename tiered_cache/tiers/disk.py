@@ -104,6 +104,7 @@ def pool_dir(config: Any, tenant: str | None = None) -> Path | None:
 
 class DiskKind(TierKind):
     name = "disk"
+    aliases = ("ssd", "nvme", "file", "local")
     section = DiskTierConfig
     rank = 200
     roles = frozenset({ENGINE, DAEMON})

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from tiered_cache import records
 from tiered_cache.core.keyed import leading
 from tiered_cache.core.tier import DEVICE, TierSpec
 from tiered_cache.costs import TierCost
-from tiered_cache.errors import ConfigError
+from tiered_cache.errors import ConfigError, install_hint
 from tiered_cache.sections import (
     Section,
     boolean,
@@ -29,7 +31,7 @@ from tiered_cache.sections import (
     positive_number,
 )
 from tiered_cache.sizing import short_repr
-from tiered_cache.stores.base import StoreUnavailableError
+from tiered_cache.stores.base import StoreUnavailableError, redact_url
 from tiered_cache.tiers.base import DAEMON, ENGINE, KEYED, Context, Needs, TierKind, register
 
 log = logging.getLogger("tiered_cache.tiers.remote")
@@ -86,6 +88,7 @@ class RemoteTierConfig(Section):
             raise ConfigError(self._key("url"), f"expected a URL like redis://host:6379/0 "
                                                 f"(or rediss://), got {short_repr(self.url)}")
         boolean(self._key("cluster"), self.cluster)
+        _check_url(self._key("url"), self.url, self.cluster)
         boolean(self._key("tls_check_hostname"), self.tls_check_hostname)
         for key in ("username", "password", "password_env", "tls_ca", "tls_cert", "tls_key"):
             v = getattr(self, key)
@@ -101,6 +104,12 @@ class RemoteTierConfig(Section):
                                                    f"or '-', got {short_repr(self.prefix)}")
         if self.ttl_s is not None:
             self.ttl_s = positive_number(self._key("ttl_s"), self.ttl_s, 365 * 86400)
+            if self.ttl_s < 1:
+                # NOTE: the server expires in whole seconds (SET EX): below 1 would be 0,
+                # which it refuses on every put.
+                raise ConfigError(self._key("ttl_s"), f"expected at least 1 second (the "
+                                                      f"server expires in whole seconds), got "
+                                                      f"{self.ttl_s:g}")
         self.lookup_deadline_ms = positive_number(self._key("lookup_deadline_ms"),
                                                   self.lookup_deadline_ms, 60_000)
         positive_int(self._key("lookahead_blocks"), self.lookahead_blocks, 1 << 20)
@@ -111,6 +120,49 @@ class RemoteTierConfig(Section):
                                               self.bandwidth_gbps, 10_000)
 
 
+def _check_url(path: str, url: str, cluster: bool) -> None:
+    """What redis-py would refuse only when it connects (a plain ValueError or TypeError from
+    inside the client), refused here with the key: the port, an IPv6 literal, the host, the
+    database, URL options (the client takes unknown ones as keyword arguments) and fragments.
+
+    NOTE: credentials in the URL are allowed (the user part); every other setting has its own
+    key under tiers.remote."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+        host = parts.hostname
+    except ValueError as exc:
+        what = "an invalid IPv6 literal" if "IPv6" in str(exc) or "[" in url else "a bad port"
+        raise ConfigError(path, f"{redact_url(url)} has {what} ({exc}); expected "
+                                "redis://host:port/db, an IPv6 host in brackets: "
+                                "redis://[::1]:6379/0") from None
+    if "[" in parts.netloc:
+        literal = parts.netloc.rpartition("@")[2].partition("]")[0].lstrip("[")
+        try:
+            ipaddress.IPv6Address(literal)
+        except ValueError:
+            raise ConfigError(path, f"{redact_url(url)}: [{literal}] is not an IPv6 "
+                                    "address") from None
+    if not host:
+        raise ConfigError(path, f"{redact_url(url)} names no host (redis://host:6379/0)")
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(path, f"{redact_url(url)}: port {port} is out of range 1..65535")
+    if parts.query:
+        raise ConfigError(path, f"{redact_url(url)}: URL options ('?{parts.query[:40]}') are "
+                                "not supported; every option has its own tiers.remote key "
+                                "(username, password_env, tls_*, ttl_s, ...)")
+    if parts.fragment:
+        raise ConfigError(path, f"{redact_url(url)}: a URL fragment ('#...') means nothing "
+                                "here")
+    db = parts.path.strip("/")
+    if db and not (db.isdigit() and db.isascii()):
+        raise ConfigError(path, f"{redact_url(url)}: the path must be the database number "
+                                f"(redis://host:6379/0), got {short_repr(parts.path)}")
+    if cluster and db and int(db) != 0:
+        raise ConfigError(path, f"{redact_url(url)}: a Redis Cluster has only database 0 "
+                                "(tiers.remote.cluster: true)")
+
+
 def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payload_bytes: int,
             cost=None, delete_corrupt: bool = False):
     """The store `tiers.remote` names (redis-py). An unreachable server is not an error: the
@@ -119,8 +171,8 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
     try:
         from tiered_cache.stores.redis import RedisStore  # NOTE: redis-py, an extra
     except ImportError as exc:
-        raise ConfigError("tiers.remote", f"needs redis-py: pip install "
-                                          f"'tiered-cache[remote]' ({exc})") from None
+        raise ConfigError("tiers.remote", f"needs redis-py: {install_hint('remote')} "
+                                          f"({exc})") from None
     password = remote.password
     if remote.password_env is not None:
         password = os.environ.get(remote.password_env)
@@ -148,6 +200,7 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
 
 class RemoteKind(TierKind):
     name = "remote"
+    aliases = ("redis", "valkey", "store", "cluster")
     section = RemoteTierConfig
     shape = KEYED
     rank = 300

@@ -279,6 +279,9 @@ def _choose(ctx: Context) -> list[TierKind]:
     configured = [kind for kind in kinds().values()
                   if ctx.role in kind.roles and kind.present(ctx, ctx.section(kind.name))]
     names = {kind.name for kind in configured}
+    for kind in kinds().values():
+        if ctx.role in kind.roles:
+            kind.check_config(ctx, kind.name in names)
     for kind in configured:
         if kind.needs.storage and not ctx.storage:
             raise ConfigError(f"tiers.{kind.name}", kind.needs.storage)
