@@ -10,9 +10,9 @@ are put: daemons on different nodes configured alike share prefixes through the 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
-import ipaddress
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
