@@ -4,8 +4,9 @@ The library never needs them, so they are an optional dependency (installed from
 tree: `tiered_cache.errors.install_hint`); `check` also covers transformers (the `hf` extra),
 which `tiered-cache run` builds its model with. Every use goes through the functions here,
 which import on first use and, where a package is missing, raise `MissingExtraError` naming
-the extra (and the flag that does without it), instead of a bare ImportError halfway through a long run.
-Commands call `check` before they start working, so a missing package fails them at once.
+the extra (and the flag that does without it), instead of a bare ImportError halfway through
+a long run. Commands call `check` before they start working, so a missing package fails them
+at once.
 """
 
 from __future__ import annotations
