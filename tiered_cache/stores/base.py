@@ -43,7 +43,15 @@ class StoreUnavailableError(StoreError, TierUnavailableError):
 
 class StoreAuthError(StoreError):
     """The server refused the credentials (wrong password, unknown ACL user, no permission).
-    A configuration error: retrying will not help."""
+    A configuration error: retrying will not help. `reason`: NEEDS_PASSWORD (none was given
+    and the server wants one), REFUSED (wrong user or password), NO_PERMISSION (an ACL user
+    that may not run the store's commands)."""
+
+    NEEDS_PASSWORD, REFUSED, NO_PERMISSION = "needs_password", "refused", "no_permission"
+
+    def __init__(self, url: str, message: str, reason: str = REFUSED) -> None:
+        super().__init__(url, message)
+        self.reason = reason
 
 
 @runtime_checkable

@@ -31,15 +31,16 @@ from tiered_cache.sections import (
     positive_number,
 )
 from tiered_cache.sizing import short_repr
-from tiered_cache.stores.base import StoreUnavailableError, redact_url
+from tiered_cache.stores.base import StoreAuthError, StoreUnavailableError, redact_url
 from tiered_cache.tiers.base import DAEMON, ENGINE, KEYED, Context, Needs, TierKind, register
 
 log = logging.getLogger("tiered_cache.tiers.remote")
 
 _URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
-REMOTE_WRITES = ("on_host", "off")
-HOST_KIND = "host"
-"""The kind its records are staged through (remote <-> host handlers)."""
+REMOTE_WRITES = ("on_compute", "on_host", "off")
+HOST_KIND, DEVICE_KIND = "host", "gpu"
+"""The kinds it copies with: records are staged through host (remote <-> host), and an
+engine puts computed blocks from its device tier (gpu -> remote, `write: on_compute`)."""
 
 
 @dataclass
@@ -72,9 +73,12 @@ class RemoteTierConfig(Section):
     after it, so open() never waits longer for this tier."""
     lookahead_blocks: int = 256
     """Most blocks past the local match one open() looks up."""
-    write: str = "on_host"
-    """on_host: blocks that reach the host tier are put to the store in the background; off:
-    this cache only reads."""
+    write: str = "on_compute"
+    """on_compute: every block this engine computes is put to the store in the background as
+    soon as it is published (copied from the device tier), so other processes find it at once;
+    on_host: only blocks that reach the host tier (evicted from the device, or copied down by
+    write_through) are put; off: this cache only reads. In the node daemon both put every block
+    published into its pool."""
     put_queue_mib: int = 256
     """Bound of the background put queue (what does not fit is dropped and counted)."""
     latency_ms: float = 1.0
@@ -191,11 +195,33 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
               delete_corrupt=delete_corrupt)
     try:
         return RedisStore(url, verify=True, **kw)
+    except StoreAuthError as exc:
+        raise _auth_config_error(remote, exc) from None
     except StoreUnavailableError as exc:
         # NOTE: an unreachable server is not a reason not to serve: the cache starts on its
         # local tiers and the store's breaker probes the server again later.
         log.warning("tiers.remote: %s; serving from the local tiers until it answers", exc)
         return RedisStore(url, verify=False, **kw)
+
+
+def _auth_config_error(remote: RemoteTierConfig, exc: StoreAuthError) -> ConfigError:
+    """The server refused us: a ConfigError naming the key to change, in our words (the
+    server's own reply differs by version and means little to an operator)."""
+    where = f"the server at {exc.url}"
+    if exc.reason == StoreAuthError.NEEDS_PASSWORD:
+        return ConfigError(f"{RemoteTierConfig._PATH}.password_env",
+                           f"{where} requires a password and this config gives none: set "
+                           f"password_env to the name of an environment variable that holds "
+                           f"it (or password, or redis://:PASSWORD@host in the url)")
+    user = remote.username or "default"
+    if exc.reason == StoreAuthError.NO_PERMISSION:
+        return ConfigError(f"{RemoteTierConfig._PATH}.username",
+                           f"{where} does not let ACL user {user!r} run the store's commands "
+                           "(GET, SET, EXISTS, DEL, PING); grant them or use another user")
+    key = "password_env" if remote.password_env else "password" if remote.password else "url"
+    return ConfigError(f"{RemoteTierConfig._PATH}.{key}",
+                       f"{where} refused the credentials (user {user!r}): check the password "
+                       f"and the username")
 
 
 class RemoteKind(TierKind):
@@ -214,7 +240,12 @@ class RemoteKind(TierKind):
 
     def spec(self, ctx: Context) -> TierSpec:
         stage = ctx.stage_tier()
-        put_from = stage if ctx.section(self.name).write == "on_host" else None  # off: read
+        write = ctx.section(self.name).write
+        # NOTE: on_compute puts from the device tier, as the node daemon's engines publish
+        # (tiers.daemon.write): with write_back a block would otherwise reach the store only
+        # once the device evicts it, and a second process would find nothing of a prompt the
+        # first has just computed. (In the daemon the pool is tier 0 and the stage: the same.)
+        put_from = None if write == "off" else DEVICE if write == "on_compute" else stage
         # NOTE: unstaged when the host tier is tier 0 (the daemon's pool): a load lands
         # straight in the slot the hold was given.
         return TierSpec(self.name, self.name, 0, staged=stage != DEVICE, put_from=put_from,
@@ -225,17 +256,22 @@ class RemoteKind(TierKind):
 
         host = ctx.pools[ctx.stage_tier()]
         namespace = ctx.hasher.namespace_digest()
+        # NOTE: delete_corrupt: a record that fails verification must leave the store, or
+        # every later open would find its key, load it and fail again, and the block could
+        # never be recomputed and written back (the documented recovery).
         store = connect(ctx.section(self.name), namespace=namespace,
                         num_tokens=int(ctx.config.block_size),
                         payload_bytes=ctx.config.block_bytes,
-                        cost=ctx.costs.tiers.get(self.name) if ctx.costs is not None else None)
+                        cost=ctx.costs.tiers.get(self.name) if ctx.costs is not None else None,
+                        delete_corrupt=True)
         return RemoteTier(store, host_kv=host.kv, host_scales=host.scales, namespace=namespace)
 
     def handlers(self):
         from tiered_cache.data import remote_tier
 
         return {(self.name, HOST_KIND): remote_tier.remote_to_host,
-                (HOST_KIND, self.name): remote_tier.host_to_remote}
+                (HOST_KIND, self.name): remote_tier.host_to_remote,
+                (DEVICE_KIND, self.name): remote_tier.gpu_to_remote}
 
     def cost(self, ctx: Context) -> TierCost:
         remote = ctx.section(self.name)
