@@ -136,6 +136,10 @@ class TieredKVCache:
             if seq.writing or seq.readers:      # still busy after 30 s: leave it open
                 continue
             self.index.close(seq)
+        # What only memory holds goes to the disk tier (tiers.disk.drain_on_shutdown).
+        written = self.stack.drain()
+        if written:
+            log.info("shutdown: %d blocks written to the persistent tier", written)
         self.stack.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server

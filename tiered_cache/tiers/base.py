@@ -170,6 +170,12 @@ class TierKind:
     def start(self, stack: Stack, tier: int) -> None:
         """Once the stack is whole (index, executor, migrator): start what runs on its own."""
 
+    def drain(self, stack: Stack, tier: int) -> int:
+        """A graceful stop, after the workers stopped and the owner closed its sequences,
+        before `close`: a persistent tier takes what only memory holds. Returns blocks
+        written."""
+        return 0
+
     def close(self, stack: Stack, tier: int) -> None:
         """At shutdown, after the workers stopped: write back what must last, free the pool."""
 
