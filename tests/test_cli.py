@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import tiered_cache
-from tiered_cache.errors import CapacityError, ConfigError
+from tiered_cache.errors import CapacityError, ConfigError, install_hint
 from tiered_cache.tools import cli, command, extras
 
 SCRIPT = Path(sys.executable).parent / "tiered-cache"
@@ -46,7 +46,7 @@ def test_missing_extra_names_the_install_line_and_the_way_around_it():
     with pytest.raises(extras.MissingExtraError) as exc:
         extras.require("tiered_cache_no_such_module", "the widget", instead="--no-widget")
     assert str(exc.value) == ("the widget needs tiered_cache_no_such_module, which is not "
-                              "installed: pip install 'tiered-cache[tools]', or pass --no-widget")
+                              f"installed: {install_hint('tools')}, or pass --no-widget")
     assert extras.available("json") and not extras.available("tiered_cache_no_such_module")
 
 

@@ -228,8 +228,8 @@ def test_unknown_key_deep_in_tiers():
 
 
 def test_unknown_key_without_close_match_lists_valid_keys():
-    assert error({"tiers": {"nvme": {}}}) == (
-        "tiers.nvme: unknown key; valid keys are 'daemon', 'disk', 'gpu', 'host', 'remote'")
+    assert error({"tiers": {"tape": {}}}) == (
+        "tiers.tape: unknown key; valid keys are 'daemon', 'disk', 'gpu', 'host', 'remote'")
 
 
 def test_non_mapping_section():

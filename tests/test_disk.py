@@ -460,7 +460,7 @@ def _holder(path: Path) -> subprocess.Popen:
 def test_another_process_holds_the_lock_until_it_closes(tmp_path):
     proc = _holder(tmp_path)
     try:
-        with pytest.raises(LockHeldError, match=f"process {proc.pid} holds the lock") as info:
+        with pytest.raises(LockHeldError, match=f"in use by process {proc.pid} ") as info:
             open_pool(tmp_path)
         assert info.value.pid == proc.pid
         proc.stdin.write("close\n")
@@ -489,7 +489,7 @@ def test_this_process_holding_refuses_another(tmp_path):
                 "except Exception as e:\n    print(type(e).__name__, e)\n")
         out = subprocess.run([sys.executable, "-c", code, str(tmp_path), NS.hex()],
                              capture_output=True, text=True, check=True).stdout
-        assert out.startswith("LockHeldError") and f"process {os.getpid()} holds" in out
+        assert out.startswith("LockHeldError") and f"in use by process {os.getpid()} " in out
 
 
 def test_closed_pool_refuses_io(tmp_path):

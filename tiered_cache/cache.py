@@ -130,6 +130,10 @@ class TieredKVCache:
         self.stack.stop_workers()
         if self.index.broken is None:
             self._close_sequences()
+            # What only memory holds goes to the disk tier (tiers.disk.drain_on_shutdown).
+            written = self.stack.drain()
+            if written:
+                log.info("shutdown: %d blocks written to the persistent tier", written)
         # NOTE: after a torn section (core/atomic.py) no sequence is closed, and the tiers'
         # close writes nothing down from a state that may be half changed (tiers/disk.py).
         self.stack.close()

@@ -214,7 +214,7 @@ class TiersConfig(Section):
         known = registered_kinds()
         for name in sections:
             if name not in known:
-                raise unknown_key(type(self), name, list(known))
+                raise unknown_key(type(self), name, list(known), aliases=self._aliases())
         self._sections: dict[str, Any] = {}
         for name, kind in known.items():
             value = sections.get(name)
@@ -233,6 +233,10 @@ class TiersConfig(Section):
     @classmethod
     def _nested_types(cls) -> dict[str, type]:
         return {name: kind.section for name, kind in registered_kinds().items()}
+
+    @classmethod
+    def _aliases(cls) -> dict[str, str]:
+        return {a: name for name, kind in registered_kinds().items() for a in kind.aliases}
 
     def __getattr__(self, name: str) -> Any:
         sections = self.__dict__.get("_sections")
@@ -381,9 +385,7 @@ class DaemonConfig(Section):
             raise ConfigError(self._key("tenants"), f"expected a mapping, got "
                                                     f"{short_repr(self.tenants)}")
         for who, name in self.tenants.items():
-            if not isinstance(who, str) or not re.fullmatch(r"(uid|gid):[0-9]{1,10}", who):
-                raise ConfigError(self._key("tenants"), f"expected keys 'uid:N' or 'gid:N', "
-                                                        f"got {short_repr(who)}")
+            _tenant_key(self._key("tenants"), who)
             if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}",
                                                              name):
                 raise ConfigError(self._key(f"tenants.{who}"),
@@ -397,6 +399,20 @@ class DaemonConfig(Section):
         choice(self._key("log_format"), self.log_format, ("text", "json"))
         non_negative_int(self._key("page_pool_mib"), self.page_pool_mib, 1 << 24)
         non_negative_int(self._key("page_disk_mib"), self.page_disk_mib, 1 << 32)
+
+
+def _tenant_key(path: str, who: Any) -> None:
+    """A `daemon.tenants` key: "uid:N" or "gid:N", N in 0..2**32-1 written as a peer's id is
+    (`f"uid:{uid}"`: no sign, no leading zeros), or no peer could ever match it."""
+    m = re.fullmatch(r"(uid|gid):([0-9]{1,10})", who) if isinstance(who, str) else None
+    if m is None:
+        raise ConfigError(path, f"expected keys 'uid:N' or 'gid:N', got {short_repr(who)}")
+    n = int(m.group(2))
+    if n > 2**32 - 1:
+        raise ConfigError(path, f"{who!r}: {m.group(1)}s are 0..4294967295; no peer has {n}")
+    if m.group(2) != str(n):
+        raise ConfigError(path, f"{who!r} can never match a peer: write {m.group(1)}:{n} (ids "
+                                "are compared as written, without leading zeros)")
 
 
 @dataclass

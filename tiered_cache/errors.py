@@ -107,3 +107,20 @@ class IdentityError(TieredCacheError, ValueError):
 class UnsupportedError(TieredCacheError, NotImplementedError):
     """A use the integration cannot serve correctly, refused before anything is written:
     assisted decoding (which needs `crop`), beam search, layers that are not full attention."""
+
+
+def install_hint(extra: str) -> str:
+    """The pip line that installs optional extra `extra` (remote, hf, tools, cuda, dev): the
+    one place such a line is spelled.
+
+    NOTE: the package is not on a package index, so installing an extra by the package's
+    name cannot work; an extra is installed from the source tree. From a checkout (an
+    editable install, or the tests) the line names that checkout; from a wheel, the source
+    tree it was built from."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file():
+        return f"pip install -e '{root}[{extra}]'"
+    return (f"pip install '/path/to/tiered-cache-source[{extra}]' (from the source tree: the "
+            "package is not on a package index)")

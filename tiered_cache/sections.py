@@ -118,6 +118,11 @@ class Section:
         """Key -> section class of the keys that are sections themselves."""
         return cls._NESTED
 
+    @classmethod
+    def _aliases(cls) -> Mapping[str, str]:
+        """Other names users give some keys (alias -> key): an unknown alias suggests its key."""
+        return {}
+
     def _nested(self, name: str) -> None:
         """Accept a nested section given as a plain mapping; reject anything else."""
         section_cls = self._nested_types()[name]
@@ -158,7 +163,7 @@ def from_mapping(cls: type, data: Any) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str) or key not in valid:
-            raise unknown_key(cls, key, valid)
+            raise unknown_key(cls, key, valid, aliases=cls._aliases())
         if key in nested:
             if value is None:  # `migrator:` with nothing under it: the section's defaults
                 continue
@@ -170,11 +175,15 @@ def from_mapping(cls: type, data: Any) -> Any:
     return cls(**kwargs)
 
 
-def unknown_key(cls: type, key: Any, valid: list[str]) -> ConfigError:
-    """The error for a key `cls` does not accept, with the closest valid key if one is close."""
+def unknown_key(cls: type, key: Any, valid: list[str],
+                aliases: Mapping[str, str] | None = None) -> ConfigError:
+    """The error for a key `cls` does not accept, with the closest valid key if one is close.
+    `aliases`: other names of valid keys (`redis` -> `remote`), suggested before spelling."""
     path = cls._key(key_text(key))
-    close = (difflib.get_close_matches(key, valid, n=1)
-             if isinstance(key, str) and len(key) <= 80 else [])
+    alias = (aliases or {}).get(key.lower()) if isinstance(key, str) else None
+    close = [alias] if alias is not None else (
+        difflib.get_close_matches(key, valid, n=1)
+        if isinstance(key, str) and len(key) <= 80 else [])
     if close:
         return ConfigError(path, f"unknown key; did you mean {close[0]!r}?")
     listed = ", ".join(repr(k) for k in sorted(valid))

@@ -234,17 +234,56 @@ def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
         return plan
 
 
-def commit_copy_down(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
+def commit_copy_down(idx: BlockIndex, plan: list[Transfer], ok: bool,
+                     counter: str | None = "write_through_blocks") -> None:
+    """Commit a plan of extra copies (`plan_copy_down`, `plan_drain`): each block gets its new
+    copy if `ok`, else the reserved slot is given back; `counter` counts the copies made."""
     with idx.locked():
         for tr in plan:
             b = tr.block
             idx.space.unreserve(tr.dst_tier)
             if ok and idx.blocks.key[b] is not None:
                 idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
-                idx.count("write_through_blocks")
+                if counter is not None:
+                    idx.count(counter)
             else:
                 idx.space.free_slot(tr.dst_tier, tr.dst_slot)
             idx.copies.end_move(b)
+
+
+# ---------------------------------------------------------------- drain (a graceful stop)
+def plan_drain(idx: BlockIndex, dst: int, limit: int) -> list[Transfer]:
+    """Copies into persistent tier `dst` of up to `limit` published blocks that only memory
+    tiers hold (no persistent tier has a copy), each from the fastest tier that has it,
+    parents before children, into free slots of `dst` only.
+
+    NOTE: admission (`admit_min_hits`) is not asked: it keeps one-shot traffic off the SSD
+    while serving, but at a graceful stop the memory tiers are about to be lost and what they
+    hold is the freshest working set, written once. Only free slots are taken: a record already
+    on disk is not evicted for one that was in memory (and a persistent tier's evicted slot
+    must be erased first). Depth order keeps every cut whole: a block's parent is either on
+    disk already or, having a smaller depth, in the plan before it, so every record written
+    can be reached from its root after the restart."""
+    with idx.locked():
+        t = idx.blocks
+        slots = t.slots
+        persistent = [i for i, tier in enumerate(idx.tiers) if tier.persistent]
+        memory = [i for i in range(len(idx.tiers)) if i not in persistent]
+        todo = sorted((b for b in idx.prefix.values()
+                       if t.in_flight[b] == 0 and all(slots[p][b] == NO_SLOT for p in persistent)
+                       and any(slots[m][b] != NO_SLOT for m in memory)),
+                      key=t.depth.__getitem__)
+        n = min(len(todo), limit, idx.tiers[dst].allocator.num_free)
+        if n <= 0:
+            return []
+        dest = idx.space.reserve(dst, n)
+        plan = []
+        for b, s in zip(todo[:n], dest):
+            src = next(m for m in memory if slots[m][b] != NO_SLOT)
+            plan.append(Transfer(b, src, slots[src][b], dst, s, keep=True,
+                                 meta=idx.persist.record_meta(b)))
+            idx.copies.begin_move(b)
+        return plan
 
 
 # ---------------------------------------------------------------- compaction

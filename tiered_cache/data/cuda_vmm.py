@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from tiered_cache.errors import TierUnavailableError
+from tiered_cache.errors import TierUnavailableError, install_hint
 
 
 def _driver():
@@ -29,7 +29,7 @@ def _driver():
         except ImportError as exc:
             raise TierUnavailableError(
                 "tiers.gpu.resizable: the CUDA virtual memory API needs cuda-python; install "
-                "the 'cuda' extra (pip install tiered-cache[cuda])") from exc
+                f"the 'cuda' extra ({install_hint('cuda')})") from exc
     return driver
 
 

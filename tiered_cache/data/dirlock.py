@@ -68,10 +68,14 @@ def _read_pid(fd: int) -> int | None:
 
 
 def _held_message(directory: Path, lock: Path, pid: int | None) -> str:
+    """One sentence per case: who holds the directory, and what the user can do."""
+    where = f"tiers.disk.path: {directory}"
+    if pid == os.getpid():
+        return (f"{where} is already open in this process (pid {pid}): one disk tier "
+                "directory serves one cache at a time; shut the other cache down first, or "
+                "give this one another tiers.disk.path")
     if pid is None:
-        who = "another process (pid not yet recorded)"
-    elif pid == os.getpid():
-        who = f"this process (pid {pid}) already has a disk pool open on it"
+        who = "another process (it has not written its pid yet)"
     else:
         who = f"process {pid}"
         try:
@@ -80,6 +84,6 @@ def _held_message(directory: Path, lock: Path, pid: int | None) -> str:
             who += " (no longer running: a child it forked may still hold the lock)"
         except PermissionError:
             pass
-    return (f"tiers.disk: {directory} is in use: {who} holds the lock {lock}. One process owns a "
-            "disk tier directory at a time; stop that process or give this cache another "
+    return (f"{where} is in use by {who} (it holds {lock}): one process owns a disk tier "
+            "directory at a time; stop that process, or give this cache another "
             "tiers.disk.path")

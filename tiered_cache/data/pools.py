@@ -31,7 +31,7 @@ from tiered_cache.data.segments import (
     default_max_slots,
     default_segment_slots,
 )
-from tiered_cache.errors import CapacityError, TierUnavailableError
+from tiered_cache.errors import CapacityError, TierUnavailableError, install_hint
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +321,7 @@ def _managed_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         import cupy
     except ImportError as exc:
         raise TierUnavailableError("tiers.host.memory: 'managed' needs cupy; install the "
-                                   "'cuda' extra (pip install tiered-cache[cuda])") from exc
+                                   f"'cuda' extra ({install_hint('cuda')})") from exc
     nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
     free, _ = torch.cuda.mem_get_info()
     # NOTE: never ask for more managed memory than the card has free: oversubscription thrashes.

@@ -4,9 +4,11 @@ Valkey, tiered_cache.stores), and its handlers.
 - remote -> host: the first stage of a load: every record is fetched, verified by the store
   (namespace, key, tenant root, payload hash) and copied into its block's host staging slot; a
   record that is gone or fails raises `CorruptBlocks` naming those blocks (a miss for them).
-- host -> remote: a block that reached the host tier becomes one record (header + KV, one value
-  per block), queued for the store's background writer (the copy into the record is the only
-  work done while the block is held).
+- host -> remote (`write: on_host`, and the node daemon's pool), gpu -> remote (`write:
+  on_compute`, an engine's default: a block is put as soon as it is published): a block
+  becomes one record (header + KV in the host tier's block-major layout, one value per block),
+  queued for the store's background writer (the copy into the record is the only work done
+  while the block is held).
 
 Lookups (`exists`) are the facade's, under the configured deadline, outside the lock.
 """
@@ -77,34 +79,66 @@ def remote_to_host(src: RemoteTier, dst, transfers: list[Transfer], layers, nb) 
     want = src.kv_bytes + src.scale_bytes
     for root, group in _by_root(transfers).items():
         got = src.store.get(root, [t.meta.key for t in group])
+        wrong: list[bytes] = []
         for t, record in zip(group, got):
             if record is None:
-                failed.append(t.block)
-                continue
+                failed.append(t.block)          # gone, or failed the store's own check
+                continue                        # (which deletes it: delete_corrupt)
             header = records.decode_header(record, namespace=src.namespace)
             payload = np.frombuffer(memoryview(record)[header.header_len:], dtype=np.uint8)
             if (payload.size != want or header.key != t.meta.key
                     or header.tokens != t.meta.tokens or header.parent != t.meta.parent):
                 failed.append(t.block)          # another block's record under this key
+                wrong.append(t.meta.key)
                 continue
             kv = dst.kv[t.dst_slot].view(torch.uint8).numpy().reshape(-1)
             kv[:] = payload[:src.kv_bytes]
             if dst.scales is not None:
                 dst.scales[t.dst_slot].view(torch.uint8).numpy().reshape(-1)[:] = \
                     payload[src.kv_bytes:]
+        if wrong:
+            # NOTE: deleted, or the next open would find the key and fail the same way.
+            src.store.delete(root, wrong)
     if failed:
         raise CorruptBlocks(failed, "the remote store no longer holds them, or they failed "
                                     "verification")
 
 
 def host_to_remote(src, dst: RemoteTier, transfers: list[Transfer], layers, nb) -> None:
+    _put(dst, transfers, src.kv, src.scales, [t.src_slot for t in transfers])
+
+
+def gpu_to_remote(src, dst: RemoteTier, transfers: list[Transfer], layers, nb) -> None:
+    """Blocks just computed (`write: on_compute`), out of the layer-major device pool through
+    a block-major staging tensor (the host tier's slot layout, which a record holds)."""
+    from tiered_cache import kernels
+
+    n = len(transfers)
+    kv = src.kv
+    stage = torch.empty((n, kv.shape[0], kv.shape[1], *kv.shape[3:]), dtype=kv.dtype)
+    kernels.copy_blocks_to_host(kv, [t.src_slot for t in transfers], stage, list(range(n)),
+                                non_blocking=False)
+    scales = None
+    if src.scales is not None:
+        si = torch.as_tensor([t.src_slot for t in transfers], device=src.scales.device)
+        scales = src.scales[:, :, si].permute(2, 0, 1).cpu().contiguous()
+    if kv.is_cuda:
+        torch.cuda.current_stream(kv.device).synchronize()
+    _put(dst, transfers, stage, scales, list(range(n)))
+
+
+def _put(dst: RemoteTier, transfers: list[Transfer], kv: torch.Tensor,
+         scales: torch.Tensor | None, slots: list[int]) -> None:
+    """One record per block (header + its block-major KV, then FP8 scales), queued for the
+    store's writer; `slots[i]` is transfer i's row of `kv` / `scales`."""
+    row = dict(zip((t.block for t in transfers), slots))
     for root, group in _by_root(transfers).items():
         items = []
         for t in group:
-            m = t.meta
-            payload = src.kv[t.src_slot].contiguous().view(torch.uint8).numpy().reshape(-1)
-            if src.scales is not None:
-                payload = np.concatenate([payload, src.scales[t.src_slot].contiguous()
+            m, i = t.meta, row[t.block]
+            payload = kv[i].contiguous().view(torch.uint8).numpy().reshape(-1)
+            if scales is not None:
+                payload = np.concatenate([payload, scales[i].contiguous()
                                           .view(torch.uint8).numpy().reshape(-1)])
             items.append((m.key, records.encode(dst.namespace, m.key, m.parent, m.root,
                                                 m.depth, m.tokens, m.hits, payload)))

@@ -55,6 +55,7 @@ from tiered_cache.errors import (
     LayerError,
     SequenceClosedError,
     UnsupportedError,
+    install_hint,
 )
 from tiered_cache.integrations import hf_identity
 from tiered_cache.integrations.hf_identity import Layout
@@ -69,7 +70,7 @@ def _require_transformers():
     except ImportError as exc:  # pragma: no cover - the test venv has it
         raise ImportError(
             "tiered_cache.integrations.transformers needs transformers>="
-            f"{MIN_TRANSFORMERS}; install it with `pip install 'tiered-cache[hf]'`") from exc
+            f"{MIN_TRANSFORMERS}; install it with `{install_hint('hf')}`") from exc
     from packaging.version import Version
 
     have = Version(transformers.__version__)

@@ -43,7 +43,15 @@ class StoreUnavailableError(StoreError, TierUnavailableError):
 
 class StoreAuthError(StoreError):
     """The server refused the credentials (wrong password, unknown ACL user, no permission).
-    A configuration error: retrying will not help."""
+    A configuration error: retrying will not help. `reason`: NEEDS_PASSWORD (none was given
+    and the server wants one), REFUSED (wrong user or password), NO_PERMISSION (an ACL user
+    that may not run the store's commands)."""
+
+    NEEDS_PASSWORD, REFUSED, NO_PERMISSION = "needs_password", "refused", "no_permission"
+
+    def __init__(self, url: str, message: str, reason: str = REFUSED) -> None:
+        super().__init__(url, message)
+        self.reason = reason
 
 
 @runtime_checkable
@@ -112,14 +120,19 @@ def check_keys(keys: Sequence[bytes], what: str = "key") -> None:
 
 
 def redact_url(url: str) -> str:
-    """`url` with its password replaced by `***` (for messages and logs)."""
-    parts = urlsplit(url)
+    """`url` with its password replaced by `***` (for messages and logs). A URL that does not
+    parse (a bad port or IPv6 literal) loses everything before its last '@'."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return url.rpartition("@")[2] if "@" in url else url
     netloc, query = parts.netloc, parts.query
     if parts.password is not None:
         host = parts.hostname or ""
         if ":" in host:
             host = f"[{host}]"
-        netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+        netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
     if "password" in query.lower():
         query = urlencode([(k, "***" if k.lower() == "password" else v)
                            for k, v in parse_qsl(query, keep_blank_values=True)], safe="*")

@@ -16,6 +16,7 @@ their own deadline.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
@@ -39,8 +40,37 @@ class DeadlineRunner:
                  on_late_error: Callable[[BaseException], None] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads: expected >= 1, got {threads}")
+        self.threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=name)
         self._on_late_error = on_late_error
+
+    def warm(self, fn: Callable[[Callable[[], None]], object], timeout_s: float) -> None:
+        """Start every worker now and run `fn(meet)` once on each (a store opens a connection
+        there), without waiting for them: the first real call then finds its worker and its
+        connection ready instead of paying for both inside its deadline.
+
+        NOTE: `meet()` returns once every worker has called it (or after `timeout_s`): `fn`
+        holds its connection across it, so each worker opens one of its own (a connection given
+        back early would be the next worker's, and the pool would keep one), and no worker
+        takes two tasks. A failing `fn` (a server not up yet) is only logged: the first real
+        call finds out, and counts."""
+        barrier = threading.Barrier(self.threads)
+
+        def meet() -> None:
+            try:
+                barrier.wait(timeout_s)
+            except threading.BrokenBarrierError:
+                pass
+
+        def task() -> None:
+            try:
+                fn(meet)
+            except Exception as exc:  # noqa: BLE001 - warming is best effort
+                log.debug("warming a store worker failed: %r", exc)
+                barrier.abort()
+
+        for _ in range(self.threads):
+            self._pool.submit(task)
 
     def run(self, fn: Callable[[], T], timeout_s: float) -> T:
         """`fn()`'s result, or DeadlineExceeded after `timeout_s`; `fn`'s exceptions propagate."""

@@ -22,8 +22,10 @@ What bounds each call:
   with exponential backoff from `backoff_initial_s` to `backoff_max_s`.
 
 NOTE: eviction belongs to the server (`maxmemory` + `maxmemory-policy allkeys-lru`, or `ttl_s`);
-the store never deletes on its own. A corrupt value is left for the next put of that block to
-overwrite (the cache recomputes it on the miss and writes it back).
+the store deletes only what `delete` names and, with `delete_corrupt` (the remote tier and the
+page store set it), values that fail the record check: left in place, a corrupt value would be
+found by every later lookup, fail every load, and its block could never be recomputed and put
+again.
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ def _is_auth_error(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, (ResponseError, RedisClusterException)) and any(
         m in text for m in _AUTH_MARKERS)
+
+
+def _auth_reason(exc: BaseException) -> str:
+    """Which StoreAuthError this is, from the server's reply (its wording varies by version:
+    NOAUTH, "Authentication required", "HELLO must be called with the client already
+    authenticated" all mean no password was sent)."""
+    text = str(exc)
+    if isinstance(exc, (NoPermissionError, AuthorizationError)) or "NOPERM" in text:
+        return StoreAuthError.NO_PERMISSION
+    if any(m in text for m in ("NOAUTH", "Authentication required", "already authenticated")):
+        return StoreAuthError.NEEDS_PASSWORD
+    return StoreAuthError.REFUSED
 
 
 class _Call:
@@ -199,6 +213,27 @@ class RedisStore:
             except BaseException:
                 self.close()
                 raise
+        # NOTE: every lookup worker is started with a connection of its own now, in the
+        # background: the first exists() after start must not spend its deadline (5 ms by
+        # default) on a thread start and a TCP + AUTH handshake (7.7 ms were seen on a loaded
+        # machine).
+        self._runner.warm(self._warm_connection, connect_timeout_s + socket_timeout_s)
+
+    def _warm_connection(self, meet: Callable[[], None]) -> None:
+        """On a lookup worker: open a pooled connection (PING), hold it until every worker has
+        one, give it back."""
+        if self.cluster:
+            self._client.ping()         # each node's pool (its connections are per node)
+            meet()
+            return
+        pool = self._client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_command("PING")
+            conn.read_response()
+            meet()
+        finally:
+            pool.release(conn)
 
     # ------------------------------------------------------------------ health
 
@@ -517,7 +552,7 @@ class RedisStore:
     def _typed(self, exc: BaseException, what: str) -> Exception:
         detail = f"{what}: {type(exc).__name__}: {exc}"
         if _is_auth_error(exc):
-            return StoreAuthError(self.url, detail)
+            return StoreAuthError(self.url, detail, _auth_reason(exc))
         return StoreUnavailableError(self.url, detail)
 
     def stats(self) -> dict[str, Any]:

@@ -117,6 +117,9 @@ class TierKind:
     every slot kind, by rank (remote 300, daemon 310)."""
     roles: ClassVar[frozenset[str]] = frozenset({ENGINE})
     needs: ClassVar[Needs] = Needs()
+    aliases: ClassVar[tuple[str, ...]] = ()
+    """Other names users give this kind of tier (`tiers.redis` for remote): an unknown
+    `tiers.<alias>` suggests this kind instead of the closest spelling."""
 
     # ---------------------------------------------------------------- config
     def default_section(self) -> Any:
@@ -129,6 +132,10 @@ class TierKind:
 
     def check(self, ctx: Context) -> None:
         """Checks of its own (after `needs`), raising ConfigError."""
+
+    def check_config(self, ctx: Context, configured: bool) -> None:
+        """Checks of the rest of the config in a role where this kind could be a tier, whether
+        or not it is (`configured`): a setting that means nothing without it. ConfigError."""
 
     # ---------------------------------------------------------------- building
     def spec(self, ctx: Context) -> TierSpec:
@@ -162,6 +169,12 @@ class TierKind:
 
     def start(self, stack: Stack, tier: int) -> None:
         """Once the stack is whole (index, executor, migrator): start what runs on its own."""
+
+    def drain(self, stack: Stack, tier: int) -> int:
+        """A graceful stop, after the workers stopped and the owner closed its sequences,
+        before `close`: a persistent tier takes what only memory holds. Returns blocks
+        written."""
+        return 0
 
     def close(self, stack: Stack, tier: int) -> None:
         """At shutdown, after the workers stopped: write back what must last, free the pool."""

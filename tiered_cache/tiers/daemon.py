@@ -62,6 +62,7 @@ class DaemonTierConfig(Section):
 
 class DaemonKind(TierKind):
     name = "daemon"
+    aliases = ("node", "serve", "shared")
     section = DaemonTierConfig
     shape = KEYED
     rank = 310
@@ -82,6 +83,21 @@ class DaemonKind(TierKind):
             raise ConfigError("model.dtype", f"{dtype!r} KV cannot go through the daemon yet "
                                              "(its pool has no per-block scales): use float16 "
                                              "or bfloat16, or no tiers.daemon")
+
+    def check_config(self, ctx: Context, configured: bool) -> None:
+        """The top-level `daemon:` section configures `tiered-cache serve`. In an engine's
+        config without tiers.daemon it would be ignored (the engine runs alone): refused.
+
+        NOTE: only a section that differs from the default counts, so a config written back by
+        `to_dict()` (which always has one) still builds an engine."""
+        served = ctx.config.daemon
+        if configured or served == type(served)():
+            return
+        raise ConfigError("daemon", f"this section configures the node daemon (`tiered-cache "
+                                    f"serve`), and this engine is not attached to one: to "
+                                    f"attach, set tiers.{self.name}.socket: {served.socket}; "
+                                    f"to run the daemon, pass this file to `tiered-cache "
+                                    f"serve`; else remove the section")
 
     def spec(self, ctx: Context) -> TierSpec:
         on_compute = ctx.section(self.name).write == "on_compute"

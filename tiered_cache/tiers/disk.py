@@ -6,6 +6,7 @@ daemon each tenant has its own directory, `<tiers.disk.path>/<tenant>/`.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,13 +14,19 @@ from typing import Any, ClassVar
 
 from tiered_cache import sizing
 from tiered_cache.admission import FILESYSTEM, Ask, size_key
+from tiered_cache.core import moves
 from tiered_cache.core.tier import TierSpec
 from tiered_cache.costs import TierCost
-from tiered_cache.errors import ConfigError
+from tiered_cache.errors import ConfigError, TransferError
 from tiered_cache.hashing import BlockHasher, Namespace
 from tiered_cache.sections import Section, boolean, non_negative_int, positive_int, size
 from tiered_cache.sizing import MAX_NUM_BLOCKS, format_bytes, short_repr
 from tiered_cache.tiers.base import DAEMON, ENGINE, Context, Needs, TierKind, register
+
+log = logging.getLogger("tiered_cache.tiers.disk")
+
+_DRAIN_BATCH = 256
+"""Blocks written down per copy at a graceful stop."""
 
 HOST_KIND, DEVICE_KIND = "host", "gpu"
 """The kinds its copy handlers pair with: host <-> disk, and gpu -> disk (persisted
@@ -48,8 +55,12 @@ class DiskTierConfig(Section):
     """Payload I/O bypasses the page cache (so demoted blocks do not compete with the host tier
     for RAM); falls back, with a warning, where the filesystem refuses O_DIRECT."""
     admit_min_hits: int = 1
-    """Only blocks reused at least this many times are written to disk (0: every demoted
-    block), so one-shot traffic does not wear the SSD."""
+    """Only blocks reused at least this many times are written to disk while serving (0:
+    every demoted block), so one-shot traffic does not wear the SSD."""
+    drain_on_shutdown: bool = True
+    """A graceful stop (`shutdown()`, the daemon's SIGTERM) writes every block that only memory
+    holds to the disk's free slots, whatever admit_min_hits says, so the next start finds what
+    was cached."""
 
     def __post_init__(self) -> None:
         if self.path is not None:
@@ -72,6 +83,7 @@ class DiskTierConfig(Section):
                               f"set exactly one of 'capacity' or 'num_blocks', got {got}")
         boolean(self._key("o_direct"), self.o_direct)
         non_negative_int(self._key("admit_min_hits"), self.admit_min_hits, 1 << 20)
+        boolean(self._key("drain_on_shutdown"), self.drain_on_shutdown)
 
     SLOT_WORD: ClassVar[str] = "slots"
 
@@ -104,6 +116,7 @@ def pool_dir(config: Any, tenant: str | None = None) -> Path | None:
 
 class DiskKind(TierKind):
     name = "disk"
+    aliases = ("ssd", "nvme", "file", "local")
     section = DiskTierConfig
     rank = 200
     roles = frozenset({ENGINE, DAEMON})
@@ -169,6 +182,34 @@ class DiskKind(TierKind):
         reject = stack.index.persist.restore(tier, pool.recover())
         if reject:
             pool.erase(reject)
+
+    def drain(self, stack, tier: int) -> int:
+        """Every block only memory holds, to the disk's free slots (moves.plan_drain), in
+        batches; records of dropped blocks are erased first (their slots become free)."""
+        pool, index = stack.pools[tier], stack.index
+        if pool is None or not stack.section(self.name).drain_on_shutdown:
+            return 0
+        slots = index.space.take_erasures(tier)
+        if slots:
+            pool.erase(slots)
+            index.space.erased(tier, slots)
+        written = 0
+        while True:
+            plan = moves.plan_drain(index, tier, _DRAIN_BATCH)
+            if not plan:
+                return written
+            ok = False
+            try:
+                stack.executor.run(plan)
+                ok = True
+            except TransferError as exc:
+                log.error("tiers.%s: writing %d blocks down before stopping failed: %s",
+                          self.name, len(plan), exc)
+            finally:
+                moves.commit_copy_down(index, plan, ok, counter=None)
+            if not ok:
+                return written
+            written += len(plan)
 
     def close(self, stack, tier: int) -> None:
         """Erase the records of blocks dropped since the eraser last ran (they must not come

@@ -60,6 +60,7 @@ class GpuTierConfig(Section, TierSize):
 
 class GpuKind(TierKind):
     name = "gpu"
+    aliases = ("cuda", "device", "hbm", "vram")
     section = GpuTierConfig
     rank = 0
     roles = frozenset({ENGINE})

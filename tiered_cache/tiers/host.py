@@ -52,6 +52,7 @@ class HostTierConfig(Section, TierSize):
 
 class HostKind(TierKind):
     name = "host"
+    aliases = ("cpu", "dram", "ram", "memory", "pinned")
     section = HostTierConfig
     rank = 100
     roles = frozenset({ENGINE, DAEMON})

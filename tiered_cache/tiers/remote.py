@@ -10,17 +10,19 @@ are put: daemons on different nodes configured alike share prefixes through the 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 from tiered_cache import records
 from tiered_cache.core.keyed import leading
 from tiered_cache.core.tier import DEVICE, TierSpec
 from tiered_cache.costs import TierCost
-from tiered_cache.errors import ConfigError
+from tiered_cache.errors import ConfigError, install_hint
 from tiered_cache.sections import (
     Section,
     boolean,
@@ -29,15 +31,16 @@ from tiered_cache.sections import (
     positive_number,
 )
 from tiered_cache.sizing import short_repr
-from tiered_cache.stores.base import StoreUnavailableError
+from tiered_cache.stores.base import StoreAuthError, StoreUnavailableError, redact_url
 from tiered_cache.tiers.base import DAEMON, ENGINE, KEYED, Context, Needs, TierKind, register
 
 log = logging.getLogger("tiered_cache.tiers.remote")
 
 _URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
-REMOTE_WRITES = ("on_host", "off")
-HOST_KIND = "host"
-"""The kind its records are staged through (remote <-> host handlers)."""
+REMOTE_WRITES = ("on_compute", "on_host", "off")
+HOST_KIND, DEVICE_KIND = "host", "gpu"
+"""The kinds it copies with: records are staged through host (remote <-> host), and an
+engine puts computed blocks from its device tier (gpu -> remote, `write: on_compute`)."""
 
 
 @dataclass
@@ -70,9 +73,12 @@ class RemoteTierConfig(Section):
     after it, so open() never waits longer for this tier."""
     lookahead_blocks: int = 256
     """Most blocks past the local match one open() looks up."""
-    write: str = "on_host"
-    """on_host: blocks that reach the host tier are put to the store in the background; off:
-    this cache only reads."""
+    write: str = "on_compute"
+    """on_compute: every block this engine computes is put to the store in the background as
+    soon as it is published (copied from the device tier), so other processes find it at once;
+    on_host: only blocks that reach the host tier (evicted from the device, or copied down by
+    write_through) are put; off: this cache only reads. In the node daemon both put every block
+    published into its pool."""
     put_queue_mib: int = 256
     """Bound of the background put queue (what does not fit is dropped and counted)."""
     latency_ms: float = 1.0
@@ -86,6 +92,7 @@ class RemoteTierConfig(Section):
             raise ConfigError(self._key("url"), f"expected a URL like redis://host:6379/0 "
                                                 f"(or rediss://), got {short_repr(self.url)}")
         boolean(self._key("cluster"), self.cluster)
+        _check_url(self._key("url"), self.url, self.cluster)
         boolean(self._key("tls_check_hostname"), self.tls_check_hostname)
         for key in ("username", "password", "password_env", "tls_ca", "tls_cert", "tls_key"):
             v = getattr(self, key)
@@ -101,6 +108,12 @@ class RemoteTierConfig(Section):
                                                    f"or '-', got {short_repr(self.prefix)}")
         if self.ttl_s is not None:
             self.ttl_s = positive_number(self._key("ttl_s"), self.ttl_s, 365 * 86400)
+            if self.ttl_s < 1:
+                # NOTE: the server expires in whole seconds (SET EX): below 1 would be 0,
+                # which it refuses on every put.
+                raise ConfigError(self._key("ttl_s"), f"expected at least 1 second (the "
+                                                      f"server expires in whole seconds), got "
+                                                      f"{self.ttl_s:g}")
         self.lookup_deadline_ms = positive_number(self._key("lookup_deadline_ms"),
                                                   self.lookup_deadline_ms, 60_000)
         positive_int(self._key("lookahead_blocks"), self.lookahead_blocks, 1 << 20)
@@ -111,6 +124,49 @@ class RemoteTierConfig(Section):
                                               self.bandwidth_gbps, 10_000)
 
 
+def _check_url(path: str, url: str, cluster: bool) -> None:
+    """What redis-py would refuse only when it connects (a plain ValueError or TypeError from
+    inside the client), refused here with the key: the port, an IPv6 literal, the host, the
+    database, URL options (the client takes unknown ones as keyword arguments) and fragments.
+
+    NOTE: credentials in the URL are allowed (the user part); every other setting has its own
+    key under tiers.remote."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+        host = parts.hostname
+    except ValueError as exc:
+        what = "an invalid IPv6 literal" if "IPv6" in str(exc) or "[" in url else "a bad port"
+        raise ConfigError(path, f"{redact_url(url)} has {what} ({exc}); expected "
+                                "redis://host:port/db, an IPv6 host in brackets: "
+                                "redis://[::1]:6379/0") from None
+    if "[" in parts.netloc:
+        literal = parts.netloc.rpartition("@")[2].partition("]")[0].lstrip("[")
+        try:
+            ipaddress.IPv6Address(literal)
+        except ValueError:
+            raise ConfigError(path, f"{redact_url(url)}: [{literal}] is not an IPv6 "
+                                    "address") from None
+    if not host:
+        raise ConfigError(path, f"{redact_url(url)} names no host (redis://host:6379/0)")
+    if port is not None and not 1 <= port <= 65535:
+        raise ConfigError(path, f"{redact_url(url)}: port {port} is out of range 1..65535")
+    if parts.query:
+        raise ConfigError(path, f"{redact_url(url)}: URL options ('?{parts.query[:40]}') are "
+                                "not supported; every option has its own tiers.remote key "
+                                "(username, password_env, tls_*, ttl_s, ...)")
+    if parts.fragment:
+        raise ConfigError(path, f"{redact_url(url)}: a URL fragment ('#...') means nothing "
+                                "here")
+    db = parts.path.strip("/")
+    if db and not (db.isdigit() and db.isascii()):
+        raise ConfigError(path, f"{redact_url(url)}: the path must be the database number "
+                                f"(redis://host:6379/0), got {short_repr(parts.path)}")
+    if cluster and db and int(db) != 0:
+        raise ConfigError(path, f"{redact_url(url)}: a Redis Cluster has only database 0 "
+                                "(tiers.remote.cluster: true)")
+
+
 def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payload_bytes: int,
             cost=None, delete_corrupt: bool = False):
     """The store `tiers.remote` names (redis-py). An unreachable server is not an error: the
@@ -119,8 +175,8 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
     try:
         from tiered_cache.stores.redis import RedisStore  # NOTE: redis-py, an extra
     except ImportError as exc:
-        raise ConfigError("tiers.remote", f"needs redis-py: pip install "
-                                          f"'tiered-cache[remote]' ({exc})") from None
+        raise ConfigError("tiers.remote", f"needs redis-py: {install_hint('remote')} "
+                                          f"({exc})") from None
     password = remote.password
     if remote.password_env is not None:
         password = os.environ.get(remote.password_env)
@@ -139,6 +195,8 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
               delete_corrupt=delete_corrupt)
     try:
         return RedisStore(url, verify=True, **kw)
+    except StoreAuthError as exc:
+        raise _auth_config_error(remote, exc) from None
     except StoreUnavailableError as exc:
         # NOTE: an unreachable server is not a reason not to serve: the cache starts on its
         # local tiers and the store's breaker probes the server again later.
@@ -146,8 +204,29 @@ def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payl
         return RedisStore(url, verify=False, **kw)
 
 
+def _auth_config_error(remote: RemoteTierConfig, exc: StoreAuthError) -> ConfigError:
+    """The server refused us: a ConfigError naming the key to change, in our words (the
+    server's own reply differs by version and means little to an operator)."""
+    where = f"the server at {exc.url}"
+    if exc.reason == StoreAuthError.NEEDS_PASSWORD:
+        return ConfigError(f"{RemoteTierConfig._PATH}.password_env",
+                           f"{where} requires a password and this config gives none: set "
+                           f"password_env to the name of an environment variable that holds "
+                           f"it (or password, or redis://:PASSWORD@host in the url)")
+    user = remote.username or "default"
+    if exc.reason == StoreAuthError.NO_PERMISSION:
+        return ConfigError(f"{RemoteTierConfig._PATH}.username",
+                           f"{where} does not let ACL user {user!r} run the store's commands "
+                           "(GET, SET, EXISTS, DEL, PING); grant them or use another user")
+    key = "password_env" if remote.password_env else "password" if remote.password else "url"
+    return ConfigError(f"{RemoteTierConfig._PATH}.{key}",
+                       f"{where} refused the credentials (user {user!r}): check the password "
+                       f"and the username")
+
+
 class RemoteKind(TierKind):
     name = "remote"
+    aliases = ("redis", "valkey", "store", "cluster")
     section = RemoteTierConfig
     shape = KEYED
     rank = 300
@@ -161,7 +240,12 @@ class RemoteKind(TierKind):
 
     def spec(self, ctx: Context) -> TierSpec:
         stage = ctx.stage_tier()
-        put_from = stage if ctx.section(self.name).write == "on_host" else None  # off: read
+        write = ctx.section(self.name).write
+        # NOTE: on_compute puts from the device tier, as the node daemon's engines publish
+        # (tiers.daemon.write): with write_back a block would otherwise reach the store only
+        # once the device evicts it, and a second process would find nothing of a prompt the
+        # first has just computed. (In the daemon the pool is tier 0 and the stage: the same.)
+        put_from = None if write == "off" else DEVICE if write == "on_compute" else stage
         # NOTE: unstaged when the host tier is tier 0 (the daemon's pool): a load lands
         # straight in the slot the hold was given.
         return TierSpec(self.name, self.name, 0, staged=stage != DEVICE, put_from=put_from,
@@ -172,17 +256,22 @@ class RemoteKind(TierKind):
 
         host = ctx.pools[ctx.stage_tier()]
         namespace = ctx.hasher.namespace_digest()
+        # NOTE: delete_corrupt: a record that fails verification must leave the store, or
+        # every later open would find its key, load it and fail again, and the block could
+        # never be recomputed and written back (the documented recovery).
         store = connect(ctx.section(self.name), namespace=namespace,
                         num_tokens=int(ctx.config.block_size),
                         payload_bytes=ctx.config.block_bytes,
-                        cost=ctx.costs.tiers.get(self.name) if ctx.costs is not None else None)
+                        cost=ctx.costs.tiers.get(self.name) if ctx.costs is not None else None,
+                        delete_corrupt=True)
         return RemoteTier(store, host_kv=host.kv, host_scales=host.scales, namespace=namespace)
 
     def handlers(self):
         from tiered_cache.data import remote_tier
 
         return {(self.name, HOST_KIND): remote_tier.remote_to_host,
-                (HOST_KIND, self.name): remote_tier.host_to_remote}
+                (HOST_KIND, self.name): remote_tier.host_to_remote,
+                (DEVICE_KIND, self.name): remote_tier.gpu_to_remote}
 
     def cost(self, ctx: Context) -> TierCost:
         remote = ctx.section(self.name)

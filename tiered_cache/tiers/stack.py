@@ -159,6 +159,14 @@ class Stack:
         if self.storage:
             self._warm_up()
 
+    def drain(self) -> int:
+        """A graceful stop (the workers stopped, the owner's sequences closed): each slot tier
+        takes what must outlive the process (the disk: every block only memory holds).
+        Returns the blocks written."""
+        if self.closed or not self.storage:
+            return 0
+        return sum(kind.drain(self, i) for kind, i in self.tiers()[:len(self.slot_kinds)])
+
     def stop_workers(self) -> None:
         for worker in (self.compactor, self.migrator):
             if worker is not None:
@@ -279,6 +287,9 @@ def _choose(ctx: Context) -> list[TierKind]:
     configured = [kind for kind in kinds().values()
                   if ctx.role in kind.roles and kind.present(ctx, ctx.section(kind.name))]
     names = {kind.name for kind in configured}
+    for kind in kinds().values():
+        if ctx.role in kind.roles:
+            kind.check_config(ctx, kind.name in names)
     for kind in configured:
         if kind.needs.storage and not ctx.storage:
             raise ConfigError(f"tiers.{kind.name}", kind.needs.storage)

@@ -1,11 +1,12 @@
 """The `tools` extra: matplotlib and tqdm, reached only through this module.
 
-The library never needs them, so they are an optional dependency
-(`pip install 'tiered-cache[tools]'`); `check` also covers transformers (the `hf` extra), which
-`tiered-cache run` builds its model with. Every use goes through the functions here, which import
-on first use and, where a package is missing, raise `MissingExtraError` naming the extra (and
-the flag that does without it), instead of a bare ImportError halfway through a long run.
-Commands call `check` before they start working, so a missing package fails them at once.
+The library never needs them, so they are an optional dependency (installed from the source
+tree: `tiered_cache.errors.install_hint`); `check` also covers transformers (the `hf` extra),
+which `tiered-cache run` builds its model with. Every use goes through the functions here,
+which import on first use and, where a package is missing, raise `MissingExtraError` naming
+the extra (and the flag that does without it), instead of a bare ImportError halfway through
+a long run. Commands call `check` before they start working, so a missing package fails them
+at once.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from tiered_cache.errors import install_hint
+
 EXTRA = "tools"
-INSTALL = f"pip install 'tiered-cache[{EXTRA}]'"
+INSTALL = install_hint(EXTRA)
 
 
 class MissingExtraError(ImportError):
@@ -29,7 +32,7 @@ def _missing(module: str, purpose: str, instead: str | None,
              extra: str = EXTRA) -> MissingExtraError:
     alternative = f", or pass {instead}" if instead else ""
     return MissingExtraError(f"{purpose} needs {module}, which is not installed: "
-                             f"pip install 'tiered-cache[{extra}]'{alternative}")
+                             f"{install_hint(extra)}{alternative}")
 
 
 def require(module: str, purpose: str, *, instead: str | None = None) -> ModuleType:

@@ -119,6 +119,7 @@ def _engine_config(config, gpu_blocks: int, socket: str | None) -> dict[str, Any
     data["tiers"]["disk"] = data["tiers"]["remote"] = None
     if socket is not None:
         data["tiers"]["daemon"] = {"socket": socket}
+    data.pop("daemon", None)        # the daemon's own section (an engine with it is refused)
     data["metrics"] = {"http_port": None}
     return data
 
