@@ -40,7 +40,7 @@ from tiered_cache.integrations.vllm.identity import (
 from tiered_cache.integrations.vllm.link import DaemonLink, LocalTransport, SocketTransport
 from tiered_cache.integrations.vllm.plans import StepPlan, WorkerReport
 from tiered_cache.integrations.vllm.scheduler import Scheduled, SchedulerSide, StepInput
-from tiered_cache.integrations.vllm.worker import WorkerSide
+from tiered_cache.integrations.vllm.worker import WorkerSide, union_over
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -173,6 +173,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                                      attach_timeout_s=s.attach_timeout_s,
                                      load_timeout_s=s.load_timeout_s,
                                      agree=self._agree if g.tp_size > 1 else None)
+            self._union = None
 
     # the node ---------------------------------------------------------------------------------
 
@@ -210,13 +211,11 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
     def _agree(self, failed: set[str]) -> set[str]:
         """The union over the tensor-parallel group of the requests whose load failed."""
-        import torch.distributed as dist
-        from vllm.distributed.parallel_state import get_tp_group
+        if self._union is None:
+            from vllm.distributed.parallel_state import get_tp_group
 
-        group = get_tp_group()
-        gathered: list[Any] = [None] * group.world_size
-        dist.all_gather_object(gathered, sorted(failed), group=group.cpu_group)
-        return set().union(*(set(x) for x in gathered))
+            self._union = union_over(get_tp_group().cpu_group)
+        return self._union(failed)
 
     # worker side ------------------------------------------------------------------------------
 

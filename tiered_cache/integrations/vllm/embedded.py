@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import xxhash
 
 from tiered_cache.config import CacheConfig
+from tiered_cache.daemon.transport import SUN_PATH_MAX
 from tiered_cache.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,12 @@ def base_dir(socket_dir: str | None) -> str:
 def socket_path(engine_id: str, socket_dir: str | None) -> str:
     """The embedded service's socket for this engine (the same in every process of it)."""
     h = xxhash.xxh3_64_hexdigest(engine_id.encode("utf-8", "surrogatepass"))
-    return os.path.join(base_dir(socket_dir), f"vllm-{h}", SOCKET_NAME)
+    path = os.path.join(base_dir(socket_dir), f"vllm-{h}", SOCKET_NAME)
+    if len(os.fsencode(path)) + 16 > SUN_PATH_MAX:
+        raise ConfigError("kv_connector_extra_config.tiered_cache.vllm.socket_dir",
+                          f"the embedded service's socket {path!r} is too long for a Unix "
+                          f"socket ({SUN_PATH_MAX - 16} bytes at most): use a shorter directory")
+    return path
 
 
 def sweep_stale(base: str, keep: str) -> int:

@@ -42,6 +42,19 @@ log = logging.getLogger(__name__)
 Agree = Callable[[set[str]], set[str]]
 
 
+def union_over(group=None) -> Agree:
+    """An `agree` for a tensor-parallel group (a torch.distributed CPU group): the union of
+    every rank's failed requests. Called by every rank in the same steps (those whose plan has
+    sync loads: the plan is the same on every rank)."""
+    def agree(failed: set[str]) -> set[str]:
+        import torch.distributed as dist
+
+        gathered: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, sorted(failed), group=group)
+        return set().union(*(set(x) for x in gathered))
+    return agree
+
+
 def layer_order(names) -> list[str]:
     """Layer names in model order (numbers compared as numbers), the same in every process."""
     def natural(name: str):
