@@ -152,6 +152,13 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._daemon_stats: dict[str, Any] = {}
         self._daemon_stats_at = 0.0
         if role == KVConnectorRole.SCHEDULER:
+            if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
+                # NOTE: a cache's failed load is a miss: vLLM recomputes the blocks (its default,
+                # "fail", would fail the user's request over a cache problem). The scheduler
+                # reads the policy right after building its connector.
+                log.info("tiered-cache connector: kv_load_failure_policy set to 'recompute' "
+                         "(a failed load from the cache is recomputed, never an error)")
+                ktc.kv_load_failure_policy = "recompute"
             if self.resolved.embedded:
                 self.node = self._start_node(vllm_config)
                 service = self.node.service

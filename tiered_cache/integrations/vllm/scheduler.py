@@ -97,6 +97,8 @@ class SchedulerSide:
         self.link = link
         self.clock = clock
         self.deadline_s = settings.lookup_deadline_ms / 1e3
+        self.promote_wait_s = settings.promote_wait_ms / 1e3
+        self._waiting: dict[str, float] = {}        # request -> first lookup that waited
         self.reqs: dict[str, _State] = {}
         self._loads: list[LoadOp] = []
         self._forget: list[str] = []
@@ -107,12 +109,13 @@ class SchedulerSide:
                          "failed_loads": 0, "failed_tokens": 0, "deadline_misses": 0,
                          "daemon_away": 0, "holds": 0, "released_holds": 0,
                          "lost_holds": 0, "saved_blocks": 0, "planned_saves": 0,
-                         "unsaved_requests": 0, "not_reusable": 0}
+                         "unsaved_requests": 0, "not_reusable": 0, "promotion_waits": 0}
 
     # lookups ----------------------------------------------------------------------------------
 
-    def lookup(self, request: RequestLike, num_computed: int) -> tuple[int, bool]:
-        """`get_num_new_matched_tokens`: tokens past `num_computed` the daemon can load."""
+    def lookup(self, request: RequestLike, num_computed: int) -> tuple[int | None, bool]:
+        """`get_num_new_matched_tokens`: tokens past `num_computed` the daemon can load (None:
+        ask again next step, blocks are being brought up from disk or the remote store)."""
         t0 = self.clock()
         c = self.counters
         c["lookups"] += 1
@@ -141,7 +144,18 @@ class SchedulerSide:
             self._timed(t0)
             return 0, False
         tokens = np.asarray(request.all_token_ids[:cap], dtype=np.int32)
-        found = self._fetch_all(st, tokens, t0 + self.deadline_s)
+        found, pending = self._fetch_all(st, tokens, t0 + self.deadline_s)
+        if pending:
+            # The daemon holds blocks of this prompt in a slower tier (disk, remote) that it
+            # could not bring up within the deadline; it goes on bringing them up. vLLM asks
+            # again next step (None), for at most vllm.promote_wait_ms.
+            first = self._waiting.setdefault(rid, t0)
+            if t0 - first < self.promote_wait_s:
+                c["promotion_waits"] += 1
+                self._drop(st)
+                self._timed(t0)
+                return None, False
+        self._waiting.pop(rid, None)
         if found is not None:
             st.saved = found
         hit = 0 if found is None else max(0, found * bs - num_computed) // vbs * vbs
@@ -156,31 +170,42 @@ class SchedulerSide:
         self._timed(t0)
         return hit, self.settings.load == "async"
 
-    def _fetch_all(self, st: _State, tokens: np.ndarray, deadline: float) -> int | None:
-        """Pin every rank's leading blocks; the shortest rank's count (None: unknown)."""
+    def _fetch_all(self, st: _State, tokens: np.ndarray, deadline: float
+                   ) -> tuple[int | None, bool]:
+        """Pin every rank's leading blocks: (the shortest rank's count, None when unknown;
+        whether some rank's blocks are still being brought up from a slower tier)."""
         found: int | None = None
+        pending = False
         for rank in range(self.g.tp_size):
             left = deadline - self.clock()
             if left <= 0:
                 self.counters["deadline_misses"] += 1
-                return self._none(st)
+                return self._none(st), pending
             root, _ = self.link.root(rank_salt(st.salt, rank, self.g.tp_size), st.adapter,
                                      timeout_s=left)
             left = deadline - self.clock()
             if root is None or left <= 0:
                 self.counters["daemon_away" if root is None else "deadline_misses"] += 1
-                return self._none(st)
+                return self._none(st), pending
             reply, gen = self.link.call("fetch", left, root=root, parent=root, tokens=tokens,
                                         wait_ms=int(left * 800))
             if reply is None:
                 self.counters["daemon_away"] += 1
-                return self._none(st)
+                return self._none(st), pending
             n = len(reply["slots"])
             if reply["handle"]:
                 st.holds.append((reply["handle"], gen))
                 self.counters["holds"] += 1
+            elif not pending:
+                # NOTE: a fetch answers all or nothing when it has to wait for a slower tier
+                # and runs out of time: nothing pinned, but the blocks may be there (`lookup`
+                # counts them wherever they are, pinning nothing).
+                left = deadline - self.clock()
+                peek, _ = self.link.call("lookup", left, root=root, parent=root,
+                                         tokens=tokens) if left > 0 else (None, 0)
+                pending = bool(peek and peek["blocks"] > 0)
             found = n if found is None else min(found, n)
-        return found
+        return found, pending
 
     def _none(self, st: _State) -> None:
         self._drop(st)
@@ -296,6 +321,7 @@ class SchedulerSide:
 
     def finished(self, request: RequestLike) -> None:
         """`request_finished` (finished or aborted, waiting or running)."""
+        self._waiting.pop(request.request_id, None)
         st = self.reqs.pop(request.request_id, None)
         if st is not None:
             self._drop(st)

@@ -48,6 +48,10 @@ class ConnectorSettings:
     lookup_deadline_ms: float = 5.0
     """Longest `get_num_new_matched_tokens` waits on the daemon (every rank's part together):
     the scheduler's critical path. Past it the request is a miss."""
+    promote_wait_ms: float = 2000.0
+    """How long a request may wait (asked again each step, not scheduled meanwhile) for blocks
+    the daemon holds only on disk or in the remote store to come up into its pool; then it is
+    served with what is there."""
     load: str = "sync"
     """sync: loads run layer by layer inside the step that needs them (attention on layer l
     waits for layer l only); async: the request waits for its load outside the forward
@@ -67,6 +71,8 @@ class ConnectorSettings:
         p = f"{ROOT}.vllm"
         self.lookup_deadline_ms = _positive(f"{p}.lookup_deadline_ms", self.lookup_deadline_ms,
                                             60_000)
+        self.promote_wait_ms = _non_negative(f"{p}.promote_wait_ms", self.promote_wait_ms,
+                                             600_000)
         if self.load not in ("sync", "async"):
             raise ConfigError(f"{p}.load", f"expected 'sync' or 'async', got {self.load!r}")
         if not isinstance(self.save, bool):
@@ -90,6 +96,13 @@ class ConnectorSettings:
                 raise ConfigError(f"{ROOT}.vllm.{key}", "unknown key; valid keys are "
                                   + ", ".join(sorted(valid)))
         return cls(**dict(data))
+
+
+def _non_negative(path: str, v: Any, hi: float) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+            or not 0 <= v <= hi:
+        raise ConfigError(path, f"expected a number in [0, {hi:g}], got {v!r}")
+    return float(v)
 
 
 def _positive(path: str, v: Any, hi: float) -> float:
