@@ -137,11 +137,15 @@ def connector(model: str, prompts: list[list[int]], tmp: str) -> None:
 
 def attached(model: str, prompts: list[list[int]], sock: str, hold: bool = False) -> None:
     """An engine of its own process attached to a `tiered-cache serve` at `sock`. With `hold`
-    its worker stops after fetching a load (both sides then hold handles) until killed."""
+    it serves the prompts once, then again with its worker stopping after it fetched the
+    load (both sides then hold handles), until it is killed."""
     engine.set_cpu_env(in_process=True)
     llm = engine.make_llm(model, connector={"tiers": {"daemon": {"socket": sock}}})
     sched, worker = engine.connectors(llm)
     if hold:
+        for p in prompts:
+            engine.generate(llm, [p], NEW)
+        llm.reset_prefix_cache()
         w = worker.worker
         real = w._fetch
 

@@ -166,7 +166,6 @@ def test_two_engine_processes_share_one_daemon(model, daemon, tmp_path):
 def test_an_engine_killed_mid_request_has_its_leases_reaped(model, daemon, tmp_path):
     ps = prompts(1, 300, seed=3)
     path = write_prompts(tmp_path, ps)
-    run("attached", model, path, daemon)                  # stores the prompt
     before = daemon_stats(daemon)
     proc = subprocess.Popen([sys.executable, RUN, "attached", model, str(path), daemon, "hold"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -191,7 +190,7 @@ def test_an_engine_killed_mid_request_has_its_leases_reaped(model, daemon, tmp_p
             time.sleep(0.1)
             after = daemon_stats(daemon)
         assert after["handles"] == 0
-        assert after["reaped_clients"] >= before["reaped_clients"] + 2
+        assert after["reaped_clients"] >= before["reaped_clients"] + 2    # both sides
         assert after["clients"] <= before["clients"]
     finally:
         if proc.poll() is None:
