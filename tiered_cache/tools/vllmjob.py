@@ -147,6 +147,14 @@ def _ready(proc: subprocess.Popen, mode: str) -> None:
     raise RuntimeError(f"the {mode} engine did not start (exit {proc.wait()})")
 
 
+def _answer(proc: subprocess.Popen, mode: str) -> dict[str, Any]:
+    """The engine's next JSON line (anything else it prints on stdout is skipped)."""
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"the {mode} engine stopped (exit {proc.wait()})")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     modes = args.modes
@@ -197,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     p.stdin.write(json.dumps({"prompt": prompt.tolist(),
                                               "new_tokens": w.new_tokens}) + "\n")
                     p.stdin.flush()
-                    r = json.loads(p.stdout.readline())
+                    r = _answer(p, m)
                     res = results[m]
                     res["ttft_s"].append(r["ttft_s"])
                     res["latency_s"].append(r["latency_s"])

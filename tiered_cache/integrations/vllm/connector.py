@@ -136,6 +136,12 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def requires_kv_delivery(self) -> bool:
         return False        # a best-effort cache: a dropped save is a later miss
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # wait_for_layer_load / save_kv_layer run between layers: a full CUDA graph would
+        # replay past them (vLLM then uses piecewise graphs, Python between the pieces).
+        return True
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
