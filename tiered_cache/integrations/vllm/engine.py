@@ -21,7 +21,18 @@ CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 def set_cpu_env(*, in_process: bool, kv_space_gib: int = 1) -> None:
     """vLLM's CPU build: KV space, no core binding; `in_process`: the engine core in this
-    process (VLLM_ENABLE_V1_MULTIPROCESSING=0), else in its own process."""
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0), else in its own process. Call it before torch
+    runs anything.
+
+    NOTE: OMP_WAIT_POLICY=PASSIVE (unless set). With libgomp's default, the OpenMP threads of
+    vLLM's CPU kernels spin between parallel regions; on cores shared with other work (more
+    runnable threads than cores) every small kernel then waits for a descheduled spinner, and
+    an engine ran 10x slower here (a 64-token decode: 9 s against 1 s passive). libgomp also
+    throttles the spin by itself once a process has more OpenMP threads than cores (a second
+    thread running torch ops, as the connector's copy thread does), which would hand an engine
+    with the connector an unfair head start over one without; the same policy for both keeps
+    comparisons fair."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.update(CPU_ENV)
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_space_gib)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
