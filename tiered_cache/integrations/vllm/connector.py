@@ -56,6 +56,22 @@ log = logging.getLogger("tiered_cache.integrations.vllm")
 _DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
+def _timed(fn):
+    """Add the call's wall time to the connector's `seconds[name]` (what the connector costs
+    the scheduler's and the forward's threads, waits included; benchmarks read it)."""
+    name = fn.__name__
+
+    def wrapper(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+    wrapper.__name__ = name
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
 @dataclass
 class TieredConnectorMetadata(KVConnectorMetadata):
     plan: StepPlan = field(default_factory=StepPlan)
@@ -157,6 +173,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._sources = CacheHitSource.HOST
         self._daemon_stats: dict[str, Any] = {}
         self._daemon_stats_at = 0.0
+        self.seconds: dict[str, float] = {}
         if role == KVConnectorRole.SCHEDULER:
             if getattr(ktc, "kv_load_failure_policy", "recompute") != "recompute":
                 # NOTE: a cache's failed load is a miss: vLLM recomputes the blocks (its default,
@@ -250,24 +267,30 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches, names.pop(), num_blocks=self._kv_cache_config.num_blocks,
                              dtype=spec.dtype)
 
+    @_timed
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self.worker is not None and isinstance(connector_metadata, TieredConnectorMetadata):
             self.worker.bind(connector_metadata.plan)
 
+    @_timed
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load()
 
+    @_timed
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_layer(layer_name)
 
+    @_timed
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         self.worker.save_layer(layer_name)
 
+    @_timed
     def wait_for_save(self) -> None:
         self.worker.end_step()
 
+    @_timed
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                  set[str] | None]:
         done = self.worker.finished() if self.worker is not None else set()
@@ -284,15 +307,18 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
     # scheduler side ---------------------------------------------------------------------------
 
+    @_timed
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return self.scheduler.lookup(request, num_computed_tokens)
 
+    @_timed
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
         self.scheduler.after_alloc(request, ids, num_external_tokens)
 
+    @_timed
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         so = scheduler_output
         scheduled = [Scheduled(r.req_id, r.num_computed_tokens,
@@ -308,11 +334,13 @@ class TieredCacheConnector(KVConnectorBase_V1):
             lambda rid: manager.get_block_ids(rid)[0] if manager is not None else [])
         return TieredConnectorMetadata(plan)
 
+    @_timed
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, TieredWorkerMetadata):
             self.scheduler.on_report(meta.report)
 
+    @_timed
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         self.scheduler.finished(request)
@@ -348,7 +376,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
     def stats(self) -> dict[str, Any]:
         """Everything this side counts (tests and benchmarks read it)."""
-        out: dict[str, Any] = {"pid": os.getpid()}
+        out: dict[str, Any] = {"pid": os.getpid(), "seconds": dict(self.seconds)}
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.stats()
         if self.worker is not None:
