@@ -121,7 +121,7 @@ class Migrator:
     def copy_stats(self) -> dict[str, dict[str, float]]:
         """Per tier pair ("gpu->host", ...): blocks, bytes and seconds spent copying them (on
         the copy threads, retries and device syncs included): the data path's own rate."""
-        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed]
+        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed.tiers]
         bb = self.index.block_bytes
         with self._idle:
             return {f"{names[s]}->{names[d]}": {"blocks": n, "bytes": n * bb, "seconds": sec}
@@ -227,7 +227,7 @@ class Migrator:
         idx = self.index
         plan = [t for job in jobs for t in job.plan]
         # Records on disk are first read, whole and verified, into host staging slots; then
-        # every block is copied to the device layer by layer (core/slots.py, _plan_promotion).
+        # every block is copied to the device layer by layer (core/tree.py, _plan_promotion).
         # NOTE: a copy out of a record source (disk, a store, the node daemon) moves whole
         # verified blocks: it runs first, once, and only memory-to-memory copies go layer by
         # layer.
@@ -298,7 +298,7 @@ class Migrator:
     def put_remote(self, blocks: list[int]) -> None:
         """Blocks that now have a host copy go to the keyed tiers written on_host."""
         for k in self.put_tiers:
-            plan = self.index.plan_puts(blocks, k)
+            plan = self.index.keyed.plan_puts(blocks, k)
             if plan:
                 self._submit(_Job(2, next(self._order), "put", plan, tier=k))
 
@@ -310,7 +310,7 @@ class Migrator:
             error = exc
             raise
         finally:
-            self.index.commit_puts(job.plan, job.tier, error is None)
+            self.index.keyed.commit_puts(job.plan, job.tier, error is None)
 
     def _watch(self, src: int) -> None:
         """Demote tier `src` above the high watermark down to the low one, batch by batch,
@@ -418,17 +418,17 @@ class Migrator:
         tiers = [t.index for t in idx.tiers if t.persistent]
         while not self._stop.wait(0.01):
             for t in tiers:
-                slots = idx.take_erasures(t)
+                slots = idx.space.take_erasures(t)
                 if not slots:
                     continue
                 try:
                     self.executor.pools[t].erase(slots)
                 except Exception:
                     self.health.record(log, f"erasing {len(slots)} record(s) of tier {t}")
-                    idx.erased(t, slots, ok=False)
+                    idx.space.erased(t, slots, ok=False)
                     time.sleep(0.05)
                 else:
-                    idx.erased(t, slots)
+                    idx.space.erased(t, slots)
 
     def _attempt(self, kind: str, copy: Callable[[], None], stream) -> Exception | None:
         """Run a copy with retries; returns the last error, or None on success."""

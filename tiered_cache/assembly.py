@@ -36,7 +36,7 @@ def recover(index: BlockIndex, pools: list) -> None:
         if not tier.persistent:
             continue
         pool = pools[tier.index]
-        reject = index.restore(tier.index, pool.recover())
+        reject = index.persist.restore(tier.index, pool.recover())
         if reject:
             pool.erase(reject)
 
@@ -47,11 +47,11 @@ def close_persistent(index: BlockIndex, pools: list) -> None:
     for tier in index.tiers:
         if tier.persistent:
             pool = pools[tier.index]
-            slots = index.take_erasures(tier.index)
+            slots = index.space.take_erasures(tier.index)
             try:
                 pool.erase(slots)
-                index.erased(tier.index, slots)
-                pool.save_hits(*index.copies_with_hits(tier.index))
+                index.space.erased(tier.index, slots)
+                pool.save_hits(*index.persist.copies_with_hits(tier.index))
             finally:
                 pool.close()
 

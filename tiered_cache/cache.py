@@ -138,13 +138,13 @@ class TieredKVCache:
         # Background data plane: only meaningful when there is data to move.
         if self.has_storage and config.migrator.enabled:
             # Keyed tiers written as blocks get a copy in the tier they are put from.
-            puts = [k for k, keyed in enumerate(self.index.keyed)
+            puts = [k for k, keyed in enumerate(self.index.keyed.tiers)
                     if keyed.put_from is not None]
             self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
                                      put_tiers=puts, on_copy=self._observe)
             if puts:
                 migrator = self.migrator
-                self.index.on_copied = lambda tier, blocks: (
+                self.index.space.on_copied = lambda tier, blocks: (
                     migrator.put_remote(blocks) if tier == 1 else None)
         if config.tiers.daemon is not None:
             self.stores[0].start(on_attach=functools.partial(
@@ -369,7 +369,7 @@ class TieredKVCache:
                     pool = self.pools[DEVICE]
                     dev = pool.kv.device
                     pool.write_tokens(layer, flat, key.detach().to(dev), value.detach().to(dev))
-                    if idx.share_inflight and dev.type == "cuda":
+                    if idx.inflight.enabled and dev.type == "cuda":
                         # Sequences sharing these blocks (core/inflight.py), now or once they
                         # take them, read them from their own streams: order their reads after
                         # this copy.
@@ -541,7 +541,7 @@ class TieredKVCache:
         for tier in self.index.tiers:
             if tier.persistent and not self._closed:
                 out["tiers"][tier.name]["pool"] = self.pools[tier.index].stats()
-        for keyed, store in zip(self.index.keyed, self.stores):
+        for keyed, store in zip(self.index.keyed.tiers, self.stores):
             out["tiers"][keyed.name]["store"] = store.stats()
         if self.config.tiers.daemon is not None and not self._closed:
             shared_tiers.daemon_stats(self.stores[0], out)
@@ -807,9 +807,9 @@ def _attached(index: BlockIndex, migrator, tenant_salt: bytes) -> None:
     again (blocks whose root the daemon keys differently are skipped by the put, and a block
     the daemon already has is answered "not taken" and costs no copy there)."""
     index.set_tenant(tenant_salt)
-    index.forget_puts(0)
+    index.keyed.forget_puts(0)
     if migrator is not None and not migrator.stopped:
-        migrator.put_remote(index.blocks_in(DEVICE))
+        migrator.put_remote(index.persist.blocks_in(DEVICE))
 
 
 def _warm_up(pools: list) -> None:

@@ -82,7 +82,7 @@ def _load_daemon(cache, seq: Sequence) -> None:
     it found; the load handler copies them out of the shared pool and releases the pins."""
     from tiered_cache.daemon.ops import MAX_BLOCKS
 
-    m, last, n = cache.index.loadable(seq)
+    m, last, n = cache.index.keyed.loadable(seq)
     n = min(n, MAX_BLOCKS)
     daemon = cache.stores[0]
     if not n or not daemon.available:
@@ -95,7 +95,7 @@ def _load_daemon(cache, seq: Sequence) -> None:
     taken = 0
     try:
         keys = _chain(cache, seq, m, last, len(slots))
-        taken = cache.index.extend(seq, 0, keys, cache._promote, slots=slots, ticket=handle)
+        taken = cache.index.keyed.extend(seq, 0, keys, cache._promote, slots=slots, ticket=handle)
     finally:
         if not taken:
             # NOTE: nothing will copy under this handle (extend took nothing, or raised before
@@ -131,8 +131,8 @@ def _remote(cache, config: CacheConfig, specs: list[TierSpec]) -> tuple[list, li
 def _load_remote(cache, seq: Sequence) -> None:
     """After the local match: which of the next blocks the shared store holds (under the
     lookup deadline, outside the lock), and, if loading them beats recomputing, load them
-    (`BlockIndex.extend`). A slow, dead or empty store costs at most the deadline."""
-    m, last, n = cache.index.loadable(seq)
+    (`BlockIndex.keyed.extend`). A slow, dead or empty store costs at most the deadline."""
+    m, last, n = cache.index.keyed.loadable(seq)
     remote = cache.config.tiers.remote
     n = min(n, remote.lookahead_blocks)
     if not n:
@@ -144,10 +144,10 @@ def _load_remote(cache, seq: Sequence) -> None:
         r = leading(store.exists(seq.root, keys, remote.lookup_deadline_ms / 1e3))
         if not r:
             continue
-        if cache.costs is not None and not cache._worth(cache.index.keyed[k].index, r, m):
-            cache.index.note_skipped(k)
+        if cache.costs is not None and not cache._worth(cache.index.keyed.tiers[k].index, r, m):
+            cache.index.keyed.note_skipped(k)
             continue
-        if cache.index.extend(seq, k, keys[:r], cache._promote):
+        if cache.index.keyed.extend(seq, k, keys[:r], cache._promote):
             return
 
 

@@ -11,6 +11,9 @@ from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.policies.base import CachePolicy
 
+DEVICE = 0
+"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
+
 
 @dataclass(frozen=True)
 class TierSpec:
@@ -62,6 +65,17 @@ class TierState:
         # NOTE: sized by the allocator's slots, which exceed capacity_blocks while a shrink
         # drains the tail.
         self.owner = array("i", [NO_BLOCK]) * self.allocator.num_slots
+
+    def give_back(self, slot: int) -> None:
+        """A slot no block holds any more returns to the allocator, or, in a persistent tier,
+        waits (reserved) until the data plane has erased its record (`Space.take_erasures`).
+        Lock held."""
+        self.owner[slot] = NO_BLOCK
+        if self.persistent:
+            self.reserved += 1
+            self.erasing.append(slot)
+        else:
+            self.allocator.free_one(slot)
 
     @property
     def capacity_blocks(self) -> int:

@@ -21,7 +21,7 @@ the tenant is part of every root (hashing.tenant_salt), hence of every server ke
 `a` of one node finds what tenant `a` of another wrote, and nothing of tenant `b`. A fetch that
 the local tiers end short asks the store which of the next blocks it holds (under
 `tiers.remote.lookup_deadline_ms`), and loads those into new pool slots of the hold
-(BlockIndex.load_after) when the cost model (if `model.num_params` is set) says loading beats
+(BlockIndex.keyed.load_after) when the cost model (if `model.num_params` is set) says loading beats
 recomputing; blocks published into the pool are put to the store in the background
 (`tiers.remote.write: on_host`).
 """
@@ -272,7 +272,7 @@ class Partition:
                      tokens: np.ndarray) -> int:
         """The hold ends before `tokens` do: ask the remote store for the next blocks (under
         its lookup deadline, no lock held) and load those it has into the hold, if that beats
-        recomputing them (BlockIndex.load_after asks the cost model). Returns how many."""
+        recomputing them (BlockIndex.keyed.load_after asks the cost model). Returns how many."""
         bs = self.block_size
         m = len(seq.blocks)
         rest = tokens[m * bs:(m + self.lookahead) * bs]
@@ -284,7 +284,7 @@ class Partition:
         r = leading(self.remote.exists(root, keys, self.lookup_deadline_s))
         if not r:
             return 0
-        n = self.index.load_after(seq, REMOTE, parent, rest[:r * bs], keys[:r], self._promote)
+        n = self.index.keyed.load_after(seq, REMOTE, parent, rest[:r * bs], keys[:r], self._promote)
         self._count("remote_blocks", n)
         return n
 
@@ -300,8 +300,8 @@ class Partition:
 
     def publish(self, root: bytes, entries: Seq[dict], staging: SharedPool) -> list[bool]:
         """Copy staged blocks into the pool and index them (parents first). A block is taken
-        only if its chained key, parent and tokens check out (BlockIndex.adopt); the rest are
-        answered False and cost nothing."""
+        only if its chained key, parent and tokens check out (BlockIndex.persist.adopt); the
+        rest are answered False and cost nothing."""
         root_id = self._root_id(root)
         n_staging = staging.geometry.num_slots
         nbytes = 4 * self.block_size
@@ -328,19 +328,19 @@ class Partition:
             self._count("duplicate_blocks", len(entries))
             return taken
         try:
-            lent = self.index.lend(POOL, len(new))
+            lent = self.index.persist.lend(POOL, len(new))
         except CapacityError:
             self._count("rejected_blocks", len(entries))
             return taken
         try:
             _copy_slots(staging.kv, [entries[i]["slot"] for i in new], self.shared.kv, lent)
         except BaseException:
-            self.index.unlend(POOL, lent)
+            self.index.persist.unlend(POOL, lent)
             raise
         metas = [(slot, RecordMeta(entries[i]["key"], entries[i]["parent"], root,
                                    entries[i]["depth"], entries[i]["tokens"],
                                    entries[i]["hits"])) for i, slot in zip(new, lent)]
-        adopted = self.index.adopt(POOL, root_id, metas)
+        adopted = self.index.persist.adopt(POOL, root_id, metas)
         for i, b in zip(new, adopted):
             taken[i] = b != NO_BLOCK
         if self.migrator.put_tiers:
@@ -395,7 +395,7 @@ class Partition:
         if len(self.index.tiers) < 2:
             return 0
         written = 0
-        blocks = self.index.blocks_in(POOL)
+        blocks = self.index.persist.blocks_in(POOL)
         for first in range(0, len(blocks), 256):
             plan = moves.plan_copy_down(self.index, blocks[first:first + 256], POOL, POOL + 1)
             ok = False
