@@ -350,19 +350,23 @@ class TieredCacheConnector(KVConnectorBase_V1):
                                        ) -> dict[CacheHitSource, int]:
         return {self._sources: num_external_tokens} if num_external_tokens else {}
 
+    @_timed
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        if self.scheduler is not None:
-            now = time.monotonic()
-            if now - self._daemon_stats_at > 1.0:
-                self._daemon_stats_at = now
-                reply, _ = self.scheduler.link.call("stats")
-                if reply is not None:
-                    part = json.loads(reply["json"]).get("partition", {})
-                    self._daemon_stats = {f"daemon_hit_tokens_{t}": n for t, n in
-                                          part.get("hit_tokens_by_tier", {}).items()}
-            data = {k: v for k, v in self.scheduler.stats().items() if k != "link"}
-            return TieredConnectorStats(data={**data, **self._daemon_stats})
-        return None
+        # NOTE: vLLM asks every step; the counters are cheap but the daemon's partition stats
+        # are not (a JSON of every tier, under its lock), so the snapshot is at most 1 Hz.
+        if self.scheduler is None:
+            return None
+        now = time.monotonic()
+        if now - self._daemon_stats_at < 1.0:
+            return None
+        self._daemon_stats_at = now
+        reply, _ = self.scheduler.link.call("stats")
+        if reply is not None:
+            part = json.loads(reply["json"]).get("partition", {})
+            self._daemon_stats = {f"daemon_hit_tokens_{t}": n for t, n in
+                                  part.get("hit_tokens_by_tier", {}).items()}
+        data = {k: v for k, v in self.scheduler.stats().items() if k != "link"}
+        return TieredConnectorStats(data={**data, **self._daemon_stats})
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
