@@ -164,10 +164,11 @@ def attached(model: str, prompts: list[list[int]], sock: str, hold: bool = False
 
 def multiprocess(model: str, prompts: list[list[int]], tmp: str, tp: int) -> None:
     """The engine core in its own process, workers in theirs (the `mp` executor): the
-    embedded service runs in the engine core, the workers attach over its socket."""
+    embedded service runs in the engine core, the workers attach over its socket. Loads are
+    asynchronous here (vllm.load: async; the in-process scenario runs them in the step)."""
     engine.set_cpu_env(in_process=False)
     engine_id = f"mp-{uuid.uuid4()}"
-    cfg = {"tiers": {"host": {"num_blocks": 256}}, "vllm": {"socket_dir": tmp}}
+    cfg = {"tiers": {"host": {"num_blocks": 256}}, "vllm": {"socket_dir": tmp, "load": "async"}}
     llm = engine.make_llm(model, connector=cfg, engine_id=engine_id, tp=tp, executor="mp")
     out = []
     for p in prompts:

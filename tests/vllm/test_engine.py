@@ -202,7 +202,8 @@ def test_an_engine_killed_mid_request_has_its_leases_reaped(model, daemon, tmp_p
 
 def test_multiprocess_engine_tensor_parallel_2(model, tmp_path, short_tmp):
     """Engine core and two worker processes (mp executor, tensor parallel 2): the embedded
-    service in the engine core, each rank attached over its socket with its own heads."""
+    service in the engine core, each rank attached over its socket with its own heads; loads
+    asynchronous (the request waits outside the forward until both ranks have loaded)."""
     ps = prompts(2, 300, seed=4)
     path = write_prompts(tmp_path, ps)
     out = run("multiprocess", model, path, short_tmp, 2, timeout=900)

@@ -64,7 +64,7 @@ class ConnectorSettings:
     attach_timeout_s: float = 60.0
     """Longest a worker waits for the embedded service to come up on its first load (vLLM
     starts workers before the scheduler)."""
-    load_timeout_s: float = 10.0
+    load_timeout_s: float = 5.0
     """Longest a worker waits for one daemon reply while loading or saving."""
 
     def __post_init__(self) -> None:
