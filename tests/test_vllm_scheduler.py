@@ -290,3 +290,22 @@ def test_lookup_never_offers_the_last_token(engine):
     t = tokens(192, seed=70)                         # exactly 6 vLLM blocks
     engine.serve(FakeRequest("a", t))
     assert engine.serve(FakeRequest("b", t)).matched == 160
+
+
+def test_a_bug_in_the_service_during_a_load_is_a_load_error_not_a_crash(engine, service,
+                                                                          monkeypatch):
+    t = tokens(200, seed=80)
+    engine.serve(FakeRequest("a", t))
+    real = service.handle
+    worker_peer = engine.worker._link(False)._transport.peer
+
+    def broken(peer, req):
+        if peer == worker_peer and req.op == "fetch":
+            raise KeyError("a handler bug")
+        return real(peer, req)
+
+    monkeypatch.setattr(service, "handle", broken)
+    served = engine.serve(FakeRequest("b", t))
+    assert served.matched == 192 and served.errors == set(served.blocks[:6])
+    assert engine.worker.link.counters["errors"] == 1
+    assert handles(service) == 0

@@ -360,7 +360,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if now - self._daemon_stats_at < 1.0:
             return None
         self._daemon_stats_at = now
-        reply, _ = self.scheduler.link.call("stats")
+        reply, _ = self.scheduler.link.call("stats", self.scheduler.release_timeout_s)
         if reply is not None:
             part = json.loads(reply["json"]).get("partition", {})
             self._daemon_stats = {f"daemon_hit_tokens_{t}": n for t, n in

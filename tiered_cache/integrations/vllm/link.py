@@ -313,6 +313,10 @@ class DaemonLink:
             log.debug("%s: %s refused: %s", self.name, op, exc)
             if not getattr(transport, "connected", True):
                 self._lost(transport, exc)
+        except Exception as exc:         # noqa: BLE001 - a handler's bug: a miss, counted
+            self.counters["errors"] += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            log.exception("%s: %s failed", self.name, op)
         return None, gen
 
     def root(self, salt: bytes, adapter: str | None, timeout_s: float | None = None

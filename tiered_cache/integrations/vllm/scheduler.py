@@ -98,6 +98,10 @@ class SchedulerSide:
         self.clock = clock
         self.deadline_s = settings.lookup_deadline_ms / 1e3
         self.promote_wait_s = settings.promote_wait_ms / 1e3
+        # NOTE: releases run on the scheduler's thread too; one that times out drops the
+        # connection, and the daemon then reaps every hold of it at once, which is what a
+        # release would have done.
+        self.release_timeout_s = max(5 * self.deadline_s, 0.05)
         self._waiting: dict[str, float] = {}        # request -> first lookup that waited
         self.reqs: dict[str, _State] = {}
         self._loads: list[LoadOp] = []
@@ -334,7 +338,7 @@ class SchedulerSide:
             if gen != self.link.generation:
                 self.counters["lost_holds"] += 1
                 continue
-            self.link.call("release", handle=handle)
+            self.link.call("release", self.release_timeout_s, handle=handle)
             self.counters["released_holds"] += 1
 
     def held(self) -> int:

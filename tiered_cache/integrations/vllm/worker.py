@@ -239,7 +239,15 @@ class WorkerSide:
         for op in plan.loads:
             ld = _Load(op)
             self.counters["loads"] += 1
-            self._fetch(link, ld)
+            try:
+                self._fetch(link, ld)
+            except Exception:            # noqa: BLE001 - a miss (reported), never a crash
+                log.exception("request %s: fetching its load failed", op.req_id)
+                self.counters["copy_errors"] += 1
+                ld.failed_at = op.start
+                if ld.handle:
+                    self._release(link, ld)
+                ld.got = 0
             if op.is_async:
                 self._async.append(ld)
                 if ld.got:
@@ -339,7 +347,11 @@ class WorkerSide:
             return
         if not self._saves_prepared and self._plan.saves:
             self._saves_prepared = True
-            self._prepare_saves()
+            try:
+                self._prepare_saves()
+            except Exception:            # noqa: BLE001 - the step's saves are dropped
+                log.exception("preparing the step's saves failed")
+                self._saves = []
         if not self._saves:
             return
         self._saved_layers.add(layer)
@@ -404,7 +416,11 @@ class WorkerSide:
                     failed.add(ld.op.req_id)
             if self.agree is not None and self._loads:
                 failed = self.agree(failed)
-            self._publish(link, failed)
+            try:
+                self._publish(link, failed)
+            except Exception:            # noqa: BLE001 - a miss later, never a crash now
+                log.exception("publishing the step's saves failed")
+                self.counters["dropped_saves"] += sum(s.op.count for s in self._saves)
         finally:
             self._loads, self._load_jobs = [], {}
             self._saves, self._save_jobs, self._saved_layers = [], [], set()
