@@ -144,7 +144,7 @@ class MiniEngine:
         self.sched = SchedulerSide(g, self.settings, sched_link)
         self.worker = WorkerSide(g, rank=0, resolve_link=lambda: worker_link,
                                  attach_timeout_s=5.0, load_timeout_s=5.0)
-        self.kv = VllmKV(num_blocks, g.vllm_block_size)
+        self.kv = VllmKV(num_blocks, g.vllm_block_size, g.num_kv_heads)
         self.worker.register(self.kv.layers, "CPU_ATTN", num_blocks=num_blocks,
                              dtype=torch.float32)
         self.blocks: dict[str, list[int]] = {}

@@ -119,10 +119,31 @@ class EmbeddedNode:
         sweep_stale(os.path.dirname(self.directory), self.directory)
         self.service = NodeService(config).start()
         self.has_disk = config.tiers.disk is not None
+        self._warm = threading.Thread(target=self._warm_up, args=(config,), daemon=True,
+                                      name="tc-vllm-warm-up")
+        self._warm.start()
         self._stopped = False
         with _REGISTRY_LOCK:
             _REGISTRY[engine_id] = self
         log.info("embedded tiered-cache service for engine %s on %s", engine_id, self.socket)
+
+    @staticmethod
+    def _warm_up(config: CacheConfig) -> None:
+        """Compile the publish copy (staging -> pool: the CPU block copier, numba) while vLLM
+        starts, on scratch one-slot pools laid out like the service's, so that the engine's
+        first save does not wait a few seconds for the JIT."""
+        try:
+            from tiered_cache import kernels
+            from tiered_cache.daemon.shm import PoolGeometry, SharedPool
+
+            m = config.model
+            g = PoolGeometry(1, m.num_layers, int(config.block_size), m.num_kv_heads,
+                             m.head_dim, m.dtype)
+            with SharedPool.create(g, name="warm-src", populate=False) as src, \
+                    SharedPool.create(g, name="warm-dst", populate=False) as dst:
+                kernels.copy_blocks_to_host(src.kv.permute(1, 2, 0, 3, 4, 5), [0], dst.kv, [0])
+        except Exception:                # noqa: BLE001 - only a slower first save
+            log.debug("warming up the publish copy failed", exc_info=True)
 
     def stop(self) -> None:
         with _REGISTRY_LOCK:
