@@ -139,6 +139,7 @@ class WorkerSide:
         self._recved: set[str] = set()
         self._report = WorkerReport()
         self._ever_attached = False
+        self.seconds = {"save_copy_wait": 0.0, "publish": 0.0}
         self.counters = {"loads": 0, "loaded_blocks": 0, "load_failures": 0,
                          "failed_blocks": 0, "fetch_misses": 0, "void_copies": 0,
                          "copy_errors": 0, "saved_blocks": 0, "taken_blocks": 0,
@@ -472,11 +473,13 @@ class WorkerSide:
         if not saves:
             return
         bad = False
+        t0 = time.perf_counter()
         for job in self._save_jobs:
             try:
                 job.wait_host()
             except BaseException:      # noqa: BLE001 - counted; nothing of the step is saved
                 bad = True
+        self.seconds["save_copy_wait"] += time.perf_counter() - t0
         if bad:
             self.counters["copy_errors"] += 1
         elif self._host_writes:
@@ -499,15 +502,17 @@ class WorkerSide:
         by_root: dict[bytes, list[tuple[int, dict]]] = {}
         for s in keep:
             req = self.reqs.get(s.op.req_id)
-            toks = req.tokens if req is not None else None
+            if req is None:                 # forgotten meanwhile (cannot happen in a step)
+                self._unsaved(s.op.req_id, s.op.start)
+                continue
             for i, (slot, key) in enumerate(zip(s.slots, s.keys)):
                 depth = s.op.start + i
                 parent = s.keys[i - 1] if i else s.parent
-                data = (toks[depth * bs:(depth + 1) * bs] if toks is not None
-                        else np.zeros(bs, np.int32))
+                data = req.tokens[depth * bs:(depth + 1) * bs]
                 by_root.setdefault(s.root, []).append((depth, {
                     "slot": slot, "key": key, "parent": parent, "depth": depth,
                     "tokens": data.astype("<i4").tobytes(), "hits": 0}))
+        t0 = time.perf_counter()
         for root, entries in by_root.items():
             entries.sort(key=lambda e: e[0])
             reply, gen = link.call("publish", self.load_timeout_s, root=root,
@@ -520,6 +525,7 @@ class WorkerSide:
             self.counters["saved_blocks"] += len(entries)
             self.counters["taken_blocks"] += sum(reply["taken"])
             self._report.saved_blocks += len(entries)
+        self.seconds["publish"] += time.perf_counter() - t0
 
     # async loads and reports ------------------------------------------------------------------
 
@@ -547,4 +553,4 @@ class WorkerSide:
     def stats(self) -> dict:
         link = self.link.stats() if self.link is not None else {"attached": False}
         return {"rank": self.rank, **self.counters, "requests": len(self.reqs), "link": link,
-                "ts": time.time()}
+                "seconds": dict(self.seconds)}
