@@ -63,8 +63,6 @@ def engine_main(spec: dict[str, Any]) -> int:
     else:
         llm = engine.make_llm(spec["model"], connector=False, **kw)
     sched, _ = engine.connectors(llm)
-    from vllm import SamplingParams
-
     engine.generate(llm, [[1] * 64], 2)
     llm.reset_prefix_cache()
     print(json.dumps({"ready": True}), flush=True)
@@ -84,13 +82,9 @@ def engine_main(spec: dict[str, Any]) -> int:
                 s["worker_seconds"] = dict(worker.worker.seconds)
             print(json.dumps(s), flush=True)
             continue
-        sp = SamplingParams(max_tokens=cmd["new_tokens"], temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], sp, use_tqdm=False)[0]
-        dt = time.perf_counter() - t0
-        print(json.dumps({"ttft_s": float(out.metrics.first_token_latency), "latency_s": dt,
-                          "cached": int(out.num_cached_tokens or 0),
-                          "tokens": list(out.outputs[0].token_ids)}), flush=True)
+        out = engine.generate(llm, [cmd["prompt"]], cmd["new_tokens"])[0]
+        print(json.dumps({"ttft_s": out.ttft_s, "latency_s": out.seconds,
+                          "cached": out.cached_tokens, "tokens": out.tokens}), flush=True)
     if sched is not None:
         sched.shutdown()
     return 0

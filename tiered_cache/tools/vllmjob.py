@@ -114,22 +114,15 @@ def engine_main(mode: str, spec: dict[str, Any]) -> int:
     counters = sched.scheduler.counters if sched is not None else None
     engine.generate(llm, [[1] * 64], 1)                 # warm-up outside the timed requests
     llm.reset_prefix_cache()
-    from vllm import SamplingParams
-
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
         loaded = counters["loaded_tokens"] if counters else 0
-        sp = SamplingParams(max_tokens=req["new_tokens"], temperature=0.0, ignore_eos=True)
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)[0]
-        latency = time.perf_counter() - t0
-        m = out.metrics
+        out = engine.generate(llm, [req["prompt"]], req["new_tokens"])[0]
         ext = (counters["loaded_tokens"] - loaded) if counters else 0
-        print(json.dumps({"out": list(out.outputs[0].token_ids),
-                          "ttft_s": float(m.first_token_latency) if m else latency,
-                          "latency_s": latency, "cached": int(out.num_cached_tokens or 0),
-                          "connector": ext}), flush=True)
+        print(json.dumps({"out": out.tokens, "latency_s": out.seconds,
+                          "ttft_s": out.ttft_s if out.ttft_s is not None else out.seconds,
+                          "cached": out.cached_tokens, "connector": ext}), flush=True)
     if sched is not None:
         sched.shutdown()
     return 0

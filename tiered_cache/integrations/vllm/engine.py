@@ -102,6 +102,7 @@ class Output:
     tokens: list[int]
     cached_tokens: int          # vLLM's num_cached_tokens: its own prefix hit plus the connector's
     seconds: float
+    ttft_s: float | None = None     # vLLM's first-token latency (engines with log stats on)
 
 
 def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[Output]:
@@ -110,9 +111,11 @@ def generate(llm, prompts: list[list[int]], max_tokens: int) -> list[Output]:
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": [int(x) for x in p]} for p in prompts], sp,
+                        use_tqdm=False)
     dt = time.perf_counter() - t0
-    return [Output(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), dt)
+    return [Output(list(o.outputs[0].token_ids), int(o.num_cached_tokens or 0), dt,
+                   float(o.metrics.first_token_latency) if o.metrics is not None else None)
             for o in outs]
 
 
