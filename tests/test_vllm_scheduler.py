@@ -222,6 +222,7 @@ def test_a_stalled_daemon_costs_the_lookup_its_deadline_then_a_miss(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tiered_cache", "serve", "--config",
                              str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True)
+    eng = None
     try:
         assert proc.stdout.readline().startswith("READY")
         sock = cfg["daemon"]["socket"]
@@ -233,6 +234,9 @@ def test_a_stalled_daemon_costs_the_lookup_its_deadline_then_a_miss(tmp_path):
         assert eng.serve(FakeRequest("b", t)).matched == 192
         os.kill(proc.pid, signal.SIGSTOP)
         try:
+            # NOTE: the signal lands when the kernel next schedules the daemon; until its state
+            # says stopped it may still answer.
+            wait_for(lambda: stopped(proc.pid), "the daemon stopped")
             assert eng.sched.lookup(FakeRequest("c", t), 0) == (0, False)
             assert eng.sched.counters["daemon_away"] + eng.sched.counters[
                 "deadline_misses"] >= 1
@@ -242,10 +246,21 @@ def test_a_stalled_daemon_costs_the_lookup_its_deadline_then_a_miss(tmp_path):
         wait_for(lambda: eng.sched.lookup(FakeRequest("d", t), 0)[0] == 192, "hits again",
                  timeout=30)
         eng.sched.finished(FakeRequest("d", t))
-        eng.close()
     finally:
+        if eng is not None:
+            eng.close()
         proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 # ------------------------------------------------------------------------------- geometry
