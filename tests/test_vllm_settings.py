@@ -140,3 +140,19 @@ def test_embedded_socket_paths_are_per_engine_private_and_short(tmp_path):
     with pytest.raises(ConfigError) as e:
         embedded.socket_path("engine-a", str(tmp_path / ("d" * 60)))
     assert "too long" in str(e.value)
+
+
+def test_socket_directories_of_dead_engines_are_swept(tmp_path):
+    import fcntl
+
+    base = tmp_path / "base"
+    for name in ("vllm-dead", "vllm-alive", "vllm-mine", "other"):
+        (base / name).mkdir(parents=True)
+        (base / name / "daemon.sock.lock").write_text("1\n")
+    alive = os.open(base / "vllm-alive" / "daemon.sock.lock", os.O_RDWR)
+    fcntl.flock(alive, fcntl.LOCK_EX)            # a live service holds its lock
+    try:
+        assert embedded.sweep_stale(str(base), str(base / "vllm-mine")) == 1
+    finally:
+        os.close(alive)
+    assert sorted(p.name for p in base.iterdir()) == ["other", "vllm-alive", "vllm-mine"]
