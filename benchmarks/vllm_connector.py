@@ -200,8 +200,8 @@ def lookup_part(iters: int, blocks: int, tmp: str) -> dict[str, Any]:
     import yaml
 
     from tiered_cache.config import CacheConfig
+    from tiered_cache.daemon.process import NodeProcess
     from tiered_cache.daemon.service import NodeService
-    from tiered_cache.daemon.testing import NodeProcess
     from tiered_cache.integrations.vllm.identity import Geometry
     from tiered_cache.integrations.vllm.link import DaemonLink, LocalTransport, SocketTransport
     from tiered_cache.integrations.vllm.scheduler import SchedulerSide

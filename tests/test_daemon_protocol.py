@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import (
+from tests.daemon_reference import ECHO_FIELDS, ServerProcess, make_protocol
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import (
     DaemonError,
     FrameTooLargeError,
     LeaseExpiredError,
@@ -31,8 +32,8 @@ from tiered_cache.daemon.errors import (
     VersionError,
     from_wire,
 )
-from tiered_cache.daemon.framing import FrameBuffer, TruncatedFrame
-from tiered_cache.daemon.protocol import (
+from tiered_cache.wire.framing import FrameBuffer, TruncatedFrame
+from tiered_cache.wire.protocol import (
     HEADER,
     VERSION,
     Bytes,
@@ -47,7 +48,6 @@ from tiered_cache.daemon.protocol import (
     key,
     unpack,
 )
-from tiered_cache.daemon.testing import ECHO_FIELDS, ServerProcess, make_protocol
 
 MAX_FRAME = 4096            # the fuzzed daemon's limit: small, so oversized frames are cheap
 PROTO = make_protocol(MAX_FRAME)
@@ -552,7 +552,7 @@ def test_header_struct_is_big_endian():
 
 
 def test_maps_of_fields_pack_and_check():
-    from tiered_cache.daemon.protocol import MapOf, pack_fields
+    from tiered_cache.wire.protocol import MapOf, pack_fields
     counts = MapOf(Int(0, 10), max_len=2)
     assert counts.pack({"a": np.int64(3)}, "c") == {"a": 3}
     with pytest.raises(SchemaError, match="3 entries"):
@@ -573,3 +573,86 @@ def test_error_messages_are_cut_to_fit_the_frame():
     assert isinstance(err, SchemaError) and err.message.endswith("...")
     with pytest.raises(ValueError, match="max_frame"):
         Protocol(max_frame=100)
+
+
+# --- the page ops (daemon/ops.py PAGE_OPS), bounded and fuzzed in process ---------------------
+
+from tiered_cache.wire import ops as node_ops  # noqa: E402
+
+NODE = node_ops.make_protocol()
+PAGE_OK = {
+    "page_attach": {"version": 1, "format": b"f" * 16, "page_bytes": 6000},
+    "page_exists": {"space": 1, "parts": [b"tp0/2", b"tp1/2"], "keys": [b"k" * 124, b"a"],
+                    "deadline_ms": 5},
+    "page_get": {"space": 1, "part": b"tp0/2", "keys": [b"k"], "deadline_ms": 0},
+    "page_put": {"space": 1, "part": b"replicated", "entries": [{"slot": 3, "key": b"k"}]},
+}
+
+
+def node_request(op: str, **fields) -> bytes:
+    return body({"v": VERSION, "op": op, "id": 5, **fields})
+
+
+def test_page_ops_round_trip():
+    for op, fields in PAGE_OK.items():
+        req = NODE.decode_request(NODE.encode_request(op, 5, fields)[4:])
+        assert req.op == op and req.fields == fields
+
+
+@pytest.mark.parametrize("op, change, words", [
+    ("page_attach", {"format": b"f" * 15}, ["page_attach.format: expected 16 bytes"]),
+    ("page_attach", {"page_bytes": 0}, ["page_attach.page_bytes", "outside"]),
+    ("page_attach", {"version": 0}, ["page_attach.version", "outside"]),
+    ("page_exists", {"keys": [b"k" * 125]}, ["page_exists.keys[0]: expected 1..124 bytes"]),
+    ("page_exists", {"keys": [b""]}, ["page_exists.keys[0]: expected 1..124 bytes"]),
+    ("page_exists", {"keys": [b"k"] * 4097}, ["page_exists.keys: 4,097 items"]),
+    ("page_exists", {"parts": []}, ["page_exists.parts: 0 items"]),
+    ("page_exists", {"parts": [b"p"] * 65}, ["page_exists.parts: 65 items"]),
+    ("page_exists", {"parts": [b"p" * 65]}, ["page_exists.parts[0]"]),
+    ("page_exists", {"deadline_ms": 60_001}, ["page_exists.deadline_ms", "outside"]),
+    ("page_exists", {"space": 0}, ["page_exists.space", "outside"]),
+    ("page_get", {"keys": []}, ["page_get.keys: 0 items"]),
+    ("page_get", {"part": "tp0"}, ["page_get.part: expected bytes, got str"]),
+    ("page_put", {"entries": []}, ["page_put.entries: 0 items"]),
+    ("page_put", {"entries": [{"slot": -1, "key": b"k"}]}, ["page_put.entries[0].slot"]),
+    ("page_put", {"entries": [{"slot": 0, "key": b"k", "x": 1}]},
+     ["page_put.entries[0]: unexpected field"]),
+])
+def test_page_op_fields_are_bounded(op, change, words):
+    with pytest.raises(SchemaError) as info:
+        NODE.decode_request(node_request(op, **{**PAGE_OK[op], **change}))
+    for w in words:
+        assert w in str(info.value), str(info.value)
+
+
+@st.composite
+def near_valid_page(draw) -> bytes:
+    """Page requests that are mostly right: each field kept, dropped, or replaced by a random
+    msgpack value, plus now and then an extra field."""
+    op = draw(st.sampled_from(sorted(PAGE_OK)))
+    msg = {"v": VERSION, "op": op, "id": draw(st.sampled_from([1, 7, 0, 2**63]))}
+    for name, value in PAGE_OK[op].items():
+        choice = draw(st.integers(0, 3))
+        if choice == 0:
+            continue
+        msg[name] = value if choice == 1 else draw(MSGPACK_VALUES)
+    if draw(st.booleans()):
+        msg[draw(st.sampled_from(["zz", "slot", "key"]))] = draw(MSGPACK_VALUES)
+    return body(msg)
+
+
+@given(near_valid_page() | BODIES)
+@settings(max_examples=200, deadline=None)
+def test_fuzzed_page_requests_decode_within_bounds_or_fail_typed(raw):
+    try:
+        req = NODE.decode_request(raw)
+    except ProtocolError as exc:
+        assert exc.wire_type in {"malformed", "schema", "version", "unknown_op"}
+        return
+    f = req.fields
+    for k in f.get("keys", []):
+        assert isinstance(k, bytes) and 1 <= len(k) <= 124
+    for p in f.get("parts", []) + ([f["part"]] if "part" in f else []):
+        assert isinstance(p, bytes) and 1 <= len(p) <= 64
+    for e in f.get("entries", []):
+        assert set(e) == {"slot", "key"} and 0 <= e["slot"] < 2**31

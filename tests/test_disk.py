@@ -628,3 +628,29 @@ def test_o_direct_refused_falls_back_with_a_warning(caplog):
         assert "refuses O_DIRECT" in caplog.text
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- pieces
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_payload_in_pieces_round_trip(tmp_path, o_direct):
+    """A payload given as a list of buffers (a page lying in several places of an engine's
+    pool) is written and read back to back, verified like one buffer, and reads into pieces."""
+    header, payload = make_record("pieces")
+    cuts = [0, 1000, 1001, 4500, PB]
+    pieces = [payload[a:b] for a, b in zip(cuts, cuts[1:])]
+    with open_pool(tmp_path, o_direct=o_direct) as pool:
+        [rec] = pool.write([3], [header], [pieces])
+        outs = [np.zeros(b - a, dtype=np.uint8) for a, b in zip(cuts, cuts[1:])]
+        pool.read(3, rec, outs)
+        assert np.array_equal(np.concatenate(outs), payload)
+        whole = np.zeros(PB, dtype=np.uint8)
+        pool.read(3, rec, whole)
+        assert np.array_equal(whole, payload)
+        with pytest.raises(ValueError, match="a slot holds"):
+            pool.write([4], [header], [pieces[:-1]])
+        # a header whose payload hash does not match the pieces is a miss, never data
+        bad = [p.copy() for p in pieces]
+        bad[2][0] ^= 1
+        pool.write([5], [header], [bad])
+        with pytest.raises(CorruptRecord):
+            pool.read(5, rec, [np.zeros(b - a, dtype=np.uint8) for a, b in zip(cuts, cuts[1:])])

@@ -24,7 +24,7 @@ REMOTE = 0
 
 def make_index(slots: int = 16, worth=None) -> BlockIndex:
     hasher = BlockHasher(Namespace("tiny", "float32", LAYERS, 2, 8, BS, None))
-    return BlockIndex([TierSpec("host", "host", slots)],
+    return BlockIndex([TierSpec("host", "host", slots, stages_records=True)],
                       policy=lambda n, blocks: LRUPolicy(n, blocks=blocks, block_size=BS),
                       block_size=BS, num_layers=LAYERS, hasher=hasher, verify_tokens=True,
                       keyed=[TierSpec("remote", "remote", 0, staged=False, put_from=0)],

@@ -156,3 +156,19 @@ def test_socket_directories_of_dead_engines_are_swept(tmp_path):
     finally:
         os.close(alive)
     assert sorted(p.name for p in base.iterdir()) == ["other", "vllm-alive", "vllm-mine"]
+
+
+def test_an_embedded_pool_the_machine_cannot_give_is_an_error_at_start(tmp_path):
+    from tiered_cache.config import CacheConfig
+
+    r = resolve({"tiered_cache": {"tiers": {"host": {"capacity": "64TiB"}}}}, VLLM)
+    short = tempfile.mkdtemp(prefix="tc-")
+    try:
+        cfg = embedded.service_config(r.cache, embedded.socket_path("big", short), None)
+        with pytest.raises(ConfigError) as e:
+            embedded.EmbeddedNode("big", CacheConfig.from_dict(cfg.to_dict()))
+        assert e.value.path.startswith("kv_connector_extra_config.tiered_cache.tiers.host")
+        assert embedded.find("big") is None
+        assert not os.path.exists(os.path.dirname(embedded.socket_path("big", short)))
+    finally:
+        shutil.rmtree(short)

@@ -91,6 +91,14 @@ def header_len(num_tokens: int) -> int:
 
 
 def payload_hash(payload) -> bytes:
+    """xxh3-128 of a payload: one buffer, or a list/tuple of buffers taken back to back (the
+    pieces of a page that lies in several places of an engine's pool; the same digest as of
+    their concatenation, without making it)."""
+    if isinstance(payload, (list, tuple)):
+        h = xxhash.xxh3_128()
+        for piece in payload:
+            h.update(piece)
+        return h.digest()
     return xxhash.xxh3_128_digest(payload)
 
 

@@ -128,7 +128,7 @@ def test_no_hold_or_handle_is_left(in_process):
 
 @pytest.fixture(scope="module")
 def daemon(model, short_tmp):
-    from tiered_cache.daemon.testing import NodeProcess
+    from tiered_cache.daemon.process import NodeProcess
 
     d = Path(short_tmp) / "daemon"
     d.mkdir()
@@ -144,8 +144,8 @@ def daemon(model, short_tmp):
 
 
 def daemon_stats(sock: str) -> dict:
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.ops import make_protocol
+    from tiered_cache.wire.client import Client
+    from tiered_cache.wire.ops import make_protocol
 
     with Client(sock, make_protocol(), timeout_s=10).connect() as c:
         c.call("hello")

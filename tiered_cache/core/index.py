@@ -144,7 +144,10 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                                         policy(spec.num_slots, self.blocks),
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
-                                        admit_min_hits=spec.admit_min_hits))
+                                        admit_min_hits=spec.admit_min_hits,
+                                        stages_records=spec.stages_records,
+                                        zero_copy=spec.zero_copy,
+                                        whole_records=spec.whole_records))
         self.prefix = {}
         self.root_keys = {}
         self.pending = {}
@@ -158,9 +161,10 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         self.space = Space(self, run if run is not None else no_copy, on_pressure,
                            high_watermark)
         # The slot tier a staged keyed tier (remote) lands its loads in before the device.
-        stage_tier = next((t.index for t in self.tiers if t.kind == "host"), None)
+        stage_tier = next((t.index for t in self.tiers if t.stages_records), None)
         self.keyed = KeyedTiers(self, [KeyedState(spec.name, spec.kind, len(specs) + k, k,
-                                                  staged=spec.staged, put_from=spec.put_from)
+                                                  staged=spec.staged, put_from=spec.put_from,
+                                                  whole_records=spec.whole_records)
                                        for k, spec in enumerate(keyed)], stage_tier)
         self.persist = Persistence(self)
         self.inflight = InFlight(self, share_inflight)
@@ -609,7 +613,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                     # NOTE: the fastest copy below the device, the one the promotion reads.
                     src = next((i for i in range(1, len(slots)) if slots[i][b] != NO_SLOT),
                                -1)
-                    if src < 0 or self.tiers[src].kind != "host":
+                    if src < 0 or not self.tiers[src].zero_copy:
                         # Only a host copy can be read in place; the facade waits for layers
                         # of promotions staged from disk before it builds tables.
                         self._unhold(held)

@@ -59,14 +59,14 @@ class BlockTree:
         fastest = self.blocks.fastest_tier
         tiers = self.tiers
         # Into a host-memory tier 0 (the node daemon's shared pool) a record is read directly.
-        direct = tiers[DEVICE].kind == "host"
+        direct = tiers[DEVICE].stages_records
         staged = 0 if direct else sum(1 for b in blocks if tiers[fastest(b)].persistent)
         stage: list[int] = []
         if direct and any(tiers[fastest(b)].persistent for b in blocks):
             readiness.zero_copy = False
         if staged:
             # Everything that can fail comes first: a refused open leaves nothing half done.
-            if len(tiers) < 2 or tiers[1].kind != "host":
+            if len(tiers) < 2 or not tiers[1].stages_records:
                 raise TransferError("a block on a disk tier needs a host tier to be promoted "
                                     "through")
             stage = self.space.reserve(1, staged)[::-1]

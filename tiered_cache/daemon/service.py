@@ -1,4 +1,4 @@
-"""The node service: the handlers of daemon/ops.py over the tenants' partitions.
+"""The node service: the handlers of wire/ops.py over the tenants' partitions.
 
 Who a client is comes from the kernel (SO_PEERCRED, checked against the allowlist by the
 transport); which tenant it belongs to from `daemon.tenants` ("uid:N" / "gid:N" -> name; by
@@ -24,17 +24,20 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered_cache import admission
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.daemon.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
 from tiered_cache.daemon.leases import LeaseTable
-from tiered_cache.daemon.ops import make_protocol
-from tiered_cache.daemon.partition import Partition, namespace_of
-from tiered_cache.daemon.peer import Allowlist, Peer
-from tiered_cache.daemon.protocol import Request
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-from tiered_cache.daemon.transport import Response, Server, ServerConfig
+from tiered_cache.daemon.page_ops import PageService
+from tiered_cache.daemon.pages import PageHold
+from tiered_cache.daemon.partition import Partition, namespace_of, partition_asks, pool_bytes
 from tiered_cache.hashing import BlockHasher, tenant_salt
+from tiered_cache.wire.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
+from tiered_cache.wire.ops import make_protocol
+from tiered_cache.wire.peer import Allowlist, Peer
+from tiered_cache.wire.protocol import Request
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
+from tiered_cache.wire.transport import Response, Server, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +50,8 @@ class ClientState:
     tenant: str
     partition: Partition
     staging: SharedPool | None = None
-    handles: dict[int, Sequence] = field(default_factory=dict)
+    handles: dict[int, Sequence | PageHold] = field(default_factory=dict)
+    page_staging: dict[int, SharedPool] = field(default_factory=dict)   # page space -> area
     reaped: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -58,6 +62,12 @@ class NodeService:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         d = config.daemon
+        tenants = self._known_tenants()
+        # every partition built at start, checked together before the first is allocated
+        admission.check([a for t in tenants for a in partition_asks(config, t)],
+                        config.overcommit,
+                        context=admission.partitions_context(len(tenants), 0,
+                                                             pool_bytes(config)))
         self.namespace = BlockHasher(namespace_of(config)).namespace_digest()
         self.partitions: dict[str, Partition] = {}
         self._build = threading.Lock()
@@ -65,6 +75,7 @@ class NodeService:
         self._lock = threading.Lock()
         self._handles = itertools.count(1)
         self.counters = {"reaped_clients": 0, "released_handles": 0, "reaped_handles": 0}
+        self.pages = PageService(config)
         self.leases = LeaseTable(d.lease_s, self._expired)
         allow = (Allowlist.of(d.allow_uids, d.allow_gids)
                  if d.allow_uids or d.allow_gids else None)
@@ -73,14 +84,18 @@ class NodeService:
                                           socket_mode=d.socket_mode),
                              disconnected=self._disconnected)
         self.started = time.time()
-        # Partitions are built at start for every tenant that can be known in advance (so that
-        # a client's hello does not wait for a pool to be mapped and a disk to be recovered):
-        # the configured ones, and the daemon's own user's when only it is admitted.
-        tenants = set(d.tenants.values())
-        if allow is None:
-            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
-        for tenant in sorted(tenants):
+        for tenant in tenants:
             self.partition(tenant)
+
+    def _known_tenants(self) -> list[str]:
+        """Partitions are built at start for every tenant that can be known in advance (so that
+        a client's hello does not wait for a pool to be mapped and a disk to be recovered):
+        the configured ones, and the daemon's own user's when only it is admitted."""
+        d = self.config.daemon
+        tenants = set(d.tenants.values())
+        if not d.allow_uids and not d.allow_gids:
+            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
+        return sorted(tenants)
 
     # lifetime ---------------------------------------------------------------------------------
 
@@ -101,6 +116,7 @@ class NodeService:
             self._release_all(c)
         for p in list(self.partitions.values()):
             p.close(drain=drain)
+        self.pages.close()
 
     def partition(self, tenant: str) -> Partition:
         found = self.partitions.get(tenant)
@@ -109,7 +125,7 @@ class NodeService:
         with self._build:
             found = self.partitions.get(tenant)
             if found is None:
-                found = Partition(tenant, self.config)
+                found = Partition(tenant, self.config, existing=len(self.partitions))
                 self.partitions[tenant] = found
                 log.info("partition %s", found.describe())
             return found
@@ -150,11 +166,21 @@ class NodeService:
             handles = list(state.handles.values())
             state.handles.clear()
             staging, state.staging = state.staging, None
+            stagings = [staging, *state.page_staging.values()]
+            state.page_staging.clear()
         for seq in handles:
-            state.partition.release(seq)
-        if staging is not None:
-            staging.close()
+            self._release(state, seq)
+        for area in stagings:
+            if area is not None:
+                area.close()
         return len(handles)
+
+    @staticmethod
+    def _release(state: ClientState, held: Sequence | PageHold) -> None:
+        if isinstance(held, PageHold):
+            held.release()
+        else:
+            state.partition.release(held)
 
     # requests ---------------------------------------------------------------------------------
 
@@ -177,7 +203,7 @@ class NodeService:
             with state.lock:
                 seq = state.handles.pop(f["handle"], None)
             if seq is not None:
-                part.release(seq)
+                self._release(state, seq)
                 with self._lock:
                     self.counters["released_handles"] += 1
             return {"held": seq is not None}
@@ -194,7 +220,31 @@ class NodeService:
             return {"blocks": part.invalidate(f["root"], f["tokens"])}
         if op == "stats":
             return {"json": json.dumps(self.client_stats(state), default=str)}
+        if op.startswith("page_"):
+            return self._page_op(state, op, f)
         raise AssertionError(f"no handler for {op}")
+
+    def _page_op(self, state: ClientState, op: str, f: dict[str, Any]) -> Any:
+        if op == "page_attach":
+            return self.pages.attach(state, f)
+        if op == "page_exists":
+            return self.pages.exists(state, f)
+        if op == "page_put":
+            return self.pages.put(state, f)
+        assert op == "page_get", op
+        with state.lock:
+            if len(state.handles) >= MAX_HANDLES:
+                raise OverloadedError(f"{MAX_HANDLES} handles open: release some first")
+        hold, slots = self.pages.get(state, f)
+        if hold is None:
+            return {"handle": 0, "slots": []}
+        handle = next(self._handles)
+        with state.lock:
+            if not state.reaped:
+                state.handles[handle] = hold
+                return {"handle": handle, "slots": slots}
+        hold.release()                      # reaped while loading: give the pins back
+        raise LeaseExpiredError("the lease expired while loading pages")
 
     def _hello(self, peer: Peer) -> dict[str, Any]:
         tenant = self.tenant_of(peer)
@@ -244,6 +294,7 @@ class NodeService:
     def client_stats(self, state: ClientState) -> dict[str, Any]:
         """What a client may see: its own tenant's partition, and the service's counters."""
         return {"tenant": state.tenant, "partition": state.partition.stats(),
+                "pages": self.pages.stats(state.tenant),
                 "service": self.stats(partitions=False)}
 
     def stats(self, *, partitions: bool = True) -> dict[str, Any]:
@@ -257,6 +308,7 @@ class NodeService:
         }
         if partitions:
             out["partitions"] = {name: p.stats() for name, p in list(self.partitions.items())}
+            out["page_spaces"] = self.pages.stats()
         return out
 
     def healthy(self) -> tuple[bool, str]:

@@ -342,7 +342,8 @@ class DiskPool:
               payloads: Sequence[object]) -> list[RecordHeader]:
         """Write one record per slot (`headers[i]` from `records.encode_header`, `payloads[i]`
         a buffer of payload_bytes: a host slot as a tensor, numpy view or memoryview, written
-        from where it lies). Durable on return; returns the decoded headers (what `read`
+        from where it lies; or a list of buffers of payload_bytes in all, taken back to back).
+        Durable on return; returns the decoded headers (what `read`
         takes). Adjacent slots go out as one pwritev.
 
         On DiskFullError / DiskIOError each slot of the batch is empty, holds its old record, or
@@ -399,7 +400,8 @@ class DiskPool:
 
     def read_many(self, slots: Sequence[int], headers: Sequence[RecordHeader],
                   outs: Sequence[object]) -> None:
-        """`read` for many slots; adjacent slots come in as one preadv. Raises CorruptSlots
+        """`read` for many slots (an out may be a list of buffers, filled back to back);
+        adjacent slots come in as one preadv. Raises CorruptSlots
         (a CorruptRecord) naming the slots that failed, after filling and verifying the rest."""
         n = len(slots)
         if not n == len(headers) == len(outs):
@@ -585,14 +587,24 @@ class DiskPool:
         return out, unreadable
 
     # ------------------------------------------------------------------ I/O helpers
-    def _payload_view(self, obj: object, what: str, *, writable: bool = False) -> memoryview:
-        view = byte_view(obj)
-        if view.nbytes != self.layout.payload_bytes:
-            raise ValueError(f"{what}: {view.nbytes} bytes, a slot holds "
+    def _payload_view(self, obj: object, what: str, *,
+                      writable: bool = False) -> memoryview | tuple[memoryview, ...]:
+        """A payload as one byte view, or, for a list/tuple of buffers (the pieces of a page
+        that lies in several places of an engine's pool, taken back to back), a tuple of them:
+        written and read with one pwritev/preadv, no gathering copy."""
+        if isinstance(obj, (list, tuple)):
+            views = tuple(byte_view(p) for p in obj)
+            nbytes = sum(v.nbytes for v in views)
+            readonly = any(v.readonly for v in views)
+        else:
+            views = byte_view(obj)
+            nbytes, readonly = views.nbytes, views.readonly
+        if nbytes != self.layout.payload_bytes:
+            raise ValueError(f"{what}: {nbytes} bytes, a slot holds "
                              f"{self.layout.payload_bytes}")
-        if writable and view.readonly:
+        if writable and readonly:
             raise ValueError(f"{what}: the buffer is read-only")
-        return view
+        return views
 
     def _check_slots(self, slots: Sequence[int]) -> None:
         """Slots must be sorted (or one) and inside the pool."""
@@ -624,7 +636,14 @@ class DiskPool:
         the bytes moved, strides included (less than asked only at end of file on a read)."""
         if not self.o_direct:
             pad = self._pad_out if write else self._pad_in
-            iov = [v for view in views for v in (view, pad)] if pad.nbytes else list(views)
+            iov = []
+            for view in views:
+                if isinstance(view, tuple):
+                    iov.extend(view)
+                else:
+                    iov.append(view)
+                if pad.nbytes:
+                    iov.append(pad)
             if write:
                 return pwritev_all(self._pfd, iov, offset)
             return preadv_all(self._pfd, iov, offset)
@@ -656,7 +675,7 @@ class DiskPool:
             return got == want
 
         for view in views:
-            if view.nbytes == stride and is_aligned(view, ALIGN):
+            if not isinstance(view, tuple) and view.nbytes == stride and is_aligned(view, ALIGN):
                 iov.append(view)
                 continue
             if used == cap:
@@ -666,8 +685,16 @@ class DiskPool:
             seg = bounce[used * stride:(used + 1) * stride]
             used += 1
             if write:
-                seg[:pb] = view
+                at = 0
+                for piece in view if isinstance(view, tuple) else (view,):
+                    seg[at:at + piece.nbytes] = piece
+                    at += piece.nbytes
                 seg[pb:] = self._pad_out
+            elif isinstance(view, tuple):
+                at = 0
+                for piece in view:
+                    copies.append((seg[at:at + piece.nbytes], piece))
+                    at += piece.nbytes
             else:
                 copies.append((seg[:pb], view))
             iov.append(seg)

@@ -123,6 +123,8 @@ class RedisStore:
     `record_bytes`: the size of one record (`records.header_len(block_size)` + the block's KV
     bytes), to size the first get batches before any record was seen.
     `cost`: a `costs.TierCost` fed with each lookup's latency and each get's bandwidth.
+    `delete_corrupt`: a value that fails the record check is deleted (best effort, after its
+    batch), so that a writer that skips what the server holds (the page store) rewrites it.
     """
 
     def __init__(self, url: str, *, namespace: bytes, num_tokens: int | None = None,
@@ -136,7 +138,8 @@ class RedisStore:
                  lookup_threads: int = 4, failure_threshold: int = 3,
                  backoff_initial_s: float = 0.1, backoff_max_s: float = 10.0,
                  put_queue_bytes: int = 256 * MiB, record_bytes: int | None = None,
-                 cost: TierCost | None = None, verify: bool = True) -> None:
+                 cost: TierCost | None = None, verify: bool = True,
+                 delete_corrupt: bool = False) -> None:
         if len(namespace) != KEY_BYTES:
             raise ValueError(f"namespace: expected {KEY_BYTES} bytes, got {len(namespace)}")
         if batch_bytes < 1 or batch_keys < 1:
@@ -154,6 +157,7 @@ class RedisStore:
         self.batch_bytes = batch_bytes
         self.batch_keys = batch_keys
         self.cost = cost
+        self.delete_corrupt = delete_corrupt
         self._space = key_space(prefix, self.namespace)
         self._record_bytes = record_bytes or 0      # last record size seen: sizes get batches
         self._stats = StoreStats()
@@ -313,6 +317,7 @@ class RedisStore:
                 pipe.get(k)
             values = pipe.execute(raise_on_error=False)
             nbytes = errors = corrupt = 0
+            bad: list[bytes] = []
             for i, v in enumerate(values):
                 if v is None:
                     continue
@@ -325,7 +330,10 @@ class RedisStore:
                     self._record_bytes = len(v)
                 else:
                     corrupt += 1
+                    bad.append(batch[i])
             self._stats.add(bytes_in=nbytes, errors=errors, corrupt=corrupt)
+            if bad and self.delete_corrupt:
+                self._delete_server_keys(bad)
             a += len(batch)
 
     def _verified(self, value: bytes, root: bytes, key: bytes) -> bool:
@@ -431,10 +439,13 @@ class RedisStore:
         check_keys(keys)
         if not keys or not self._admit():
             return 0
+        return self._delete_server_keys([self.server_key(root, k) for k in keys])
+
+    def _delete_server_keys(self, skeys: Sequence[bytes]) -> int:
         try:
             pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.delete(self.server_key(root, k))
+            for k in skeys:
+                pipe.delete(k)
             results = pipe.execute(raise_on_error=False)
         except _FAILURES as exc:
             self._fail(exc)

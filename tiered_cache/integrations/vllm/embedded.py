@@ -29,8 +29,8 @@ from collections.abc import Mapping
 import xxhash
 
 from tiered_cache.config import CacheConfig
-from tiered_cache.daemon.transport import SUN_PATH_MAX
 from tiered_cache.errors import ConfigError
+from tiered_cache.wire.transport import SUN_PATH_MAX
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,24 @@ class EmbeddedNode:
         self.socket = config.daemon.socket
         self.directory = os.path.dirname(self.socket)
         sweep_stale(os.path.dirname(self.directory), self.directory)
+        from tiered_cache.wire.peer import Peer
+
         self.service = NodeService(config).start()
+        try:
+            # NOTE: this uid's partition now, not at the first hello: a pool the machine cannot
+            # give (memory admission), or a disk directory another process owns, is an error at
+            # engine start, not a background attach that fails for ever.
+            self.service.partition(self.service.tenant_of(Peer(0, os.getpid(), os.geteuid(),
+                                                               os.getegid())))
+        except ConfigError as exc:
+            self.service.stop(drain=False)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise ConfigError(f"kv_connector_extra_config.tiered_cache.{exc.path}",
+                              str(exc)[len(exc.path) + 2:]) from None
+        except BaseException:
+            self.service.stop(drain=False)
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
         self.has_disk = config.tiers.disk is not None
         self._warm = threading.Thread(target=self._warm_up, args=(config,), daemon=True,
                                       name="tc-vllm-warm-up")
@@ -134,7 +151,7 @@ class EmbeddedNode:
         first save does not wait a few seconds for the JIT."""
         try:
             from tiered_cache import kernels
-            from tiered_cache.daemon.shm import PoolGeometry, SharedPool
+            from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
             m = config.model
             g = PoolGeometry(1, m.num_layers, int(config.block_size), m.num_kv_heads,

@@ -140,9 +140,9 @@ def embedded_stats(engine_id: str, socket_dir: str | None) -> dict[str, Any] | N
     """The `stats` of an engine's embedded service, asked over its socket (any process)."""
     import json
 
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.ops import make_protocol
     from tiered_cache.integrations.vllm.embedded import socket_path
+    from tiered_cache.wire.client import Client
+    from tiered_cache.wire.ops import make_protocol
 
     path = socket_path(engine_id, socket_dir)
     if not os.path.exists(path):

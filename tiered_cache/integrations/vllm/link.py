@@ -2,7 +2,7 @@
 connector uses (fetch / release / publish), with reconnects in the background.
 
 Two transports carry the same ops to the same handlers (daemon/service.py `NodeService`):
-- `SocketTransport`: a `daemon.client.Client` over the Unix socket of `tiered-cache serve` or
+- `SocketTransport`: a `wire.client.Client` over the Unix socket of `tiered-cache serve` or
   of an embedded service in another process (SO_PEERCRED admits it, the kernel reaps it);
 - `LocalTransport`: direct calls of `NodeService.handle` in the process that runs the
   embedded service (no framing, no socket: the scheduler's lookup stays far under a
@@ -26,20 +26,20 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import (
+from tiered_cache.hashing import BlockHasher, Namespace
+from tiered_cache.integrations.vllm.identity import Geometry
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import (
     DaemonError,
     DaemonTimeoutError,
     DaemonUnavailableError,
     LeaseExpiredError,
 )
-from tiered_cache.daemon.ops import make_protocol
-from tiered_cache.daemon.peer import Peer
-from tiered_cache.daemon.protocol import Request
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-from tiered_cache.daemon.transport import Response
-from tiered_cache.hashing import BlockHasher, Namespace
-from tiered_cache.integrations.vllm.identity import Geometry
+from tiered_cache.wire.ops import make_protocol
+from tiered_cache.wire.peer import Peer
+from tiered_cache.wire.protocol import Request
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
+from tiered_cache.wire.transport import Response
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The node daemon's operations (protocol version 1): what an engine process may ask.
 
-Every request and reply is a flat msgpack map checked field by field (daemon/protocol.py); the
+Every request and reply is a flat msgpack map checked field by field (wire/protocol.py); the
 schemas below are the documentation of the wire format (docs/daemon.md renders them).
 
 A session::
@@ -19,6 +19,20 @@ A session::
     heartbeat                  -> renews the lease
     stats                      -> the daemon's tiers and counters (JSON)
 
+Pages named by an engine's own keys (SGLang's HiCache, the vLLM secondary tier; version 1 of
+the page ops, named in `page_attach`; daemon/pages.py)::
+
+    page_attach {version, format, page_bytes}
+                               -> a space id, two fds: the space's page pool (read-only) and
+                                  this client's page staging area (read-write)
+    page_exists {space, parts, keys, deadline_ms}
+                               -> how many leading keys are present for every part
+    page_get {space, part, keys, deadline_ms}
+                               -> a handle pinning the leading pages found, and their slots
+                                  (copy out, then `release {handle}`)
+    page_put {space, part, entries}
+                               -> which staged pages the space holds afterwards
+
 NOTE: a client names a root only by a key the daemon derived for it (`root`): the tenant part
 of the salt comes from the client's socket credentials, so no salt a client sends can reach
 another tenant's blocks; and each tenant's pool is its own memfd, so no mapping can either.
@@ -26,7 +40,8 @@ another tenant's blocks; and each tenant's pool is its own memfd, so no mapping 
 
 from __future__ import annotations
 
-from tiered_cache.daemon.protocol import (
+from tiered_cache.wire.pages import ENGINE_KEY_MAX, MAX_PART
+from tiered_cache.wire.protocol import (
     MAX_ID,
     Bool,
     Bytes,
@@ -41,7 +56,7 @@ from tiered_cache.daemon.protocol import (
     Struct,
     key,
 )
-from tiered_cache.daemon.shm import GEOMETRY_FIELDS
+from tiered_cache.wire.shm import GEOMETRY_FIELDS, PAGE
 
 MAX_BLOCKS = 4096           # blocks in one fetch, lookup or publish
 MAX_TOKENS = 1 << 20        # token ids in one request (4 MiB)
@@ -58,6 +73,35 @@ ENTRY = Struct({
     "tokens": Bytes(4 << 16),               # int32 token ids of the block
     "hits": Int(0, 2**31 - 1),
 })
+
+MAX_PAGES = 4096            # pages in one page op
+MAX_PARTS = 64              # parts (TP ranks) in one page_exists
+_ENGINE_KEY = Bytes(ENGINE_KEY_MAX, 1)
+_PART = Bytes(MAX_PART, 1)
+_SPACE = Int(1, MAX_ID)
+PAGE_ENTRY = Struct({
+    "slot": _SLOT,                          # staging slot the client copied the page into
+    "key": _ENGINE_KEY,                     # the engine's key of the page
+})
+
+PAGE_OPS = [
+    Op("page_attach", {"version": Int(1, 255), "format": key(), "page_bytes": Int(1, 1 << 34)},
+       {"version": Int(1, 255), "space": _SPACE, "num_slots": Int(1, 2**31 - 1),
+        "slot_stride": Int(PAGE, 1 << 40), "staging_slots": Int(1, 2**31 - 1)},
+       doc="fds: the space's page pool (read-only), then this client's page staging area"),
+    Op("page_exists", {"space": _SPACE, "parts": ListOf(_PART, MAX_PARTS, 1),
+                       "keys": ListOf(_ENGINE_KEY, MAX_PAGES), "deadline_ms": Int(0, 60_000)},
+       {"count": Int(0, MAX_PAGES)},
+       doc="leading keys present for every part; the remote store asked under deadline_ms"),
+    Op("page_get", {"space": _SPACE, "part": _PART, "keys": ListOf(_ENGINE_KEY, MAX_PAGES, 1),
+                    "deadline_ms": Int(0, 60_000)},
+       {"handle": _ID, "slots": IntList(0, 2**31 - 1, MAX_PAGES)},
+       doc="pin the leading pages found (loaded into the pool first if below it); handle 0 "
+           "and no slots when the first is missing"),
+    Op("page_put", {"space": _SPACE, "part": _PART,
+                    "entries": ListOf(PAGE_ENTRY, MAX_PAGES, 1)},
+       {"stored": IntList(0, 1, MAX_PAGES)}),
+]
 
 OPS = [
     Op("hello", reply={
@@ -80,6 +124,7 @@ OPS = [
     Op("invalidate", {"root": key(), "tokens": IntArray(0, 2**31 - 1, MAX_TOKENS)},
        {"blocks": Int(0, 2**63 - 1)}),
     Op("stats", reply={"json": Str(1 << 20)}),
+    *PAGE_OPS,
 ]
 
 
