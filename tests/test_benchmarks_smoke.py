@@ -125,3 +125,14 @@ def test_daemon_remote_quick(tmp_path):
     assert data["remote_b"]["loaded_blocks"] == 3 * 8 and data["remote_b"]["load_failures"] == 0
     assert all(_positive(r["p50_ms"]) for r in data["rows"])
     assert "cold (from the store)" in out
+
+
+def test_vllm_connector_lookup_quick(tmp_path):
+    """The lookup part needs no vLLM (its engine parts are skipped where vLLM is missing)."""
+    data, stdout = run_bench("vllm_connector", tmp_path, "--parts", "lookup")
+    assert "get_num_new_matched_tokens at 100 cached blocks" in stdout
+    rows = {r["path"]: r for r in data["lookup"]["rows"]}
+    assert set(rows) == {"in_process", "daemon_socket"}
+    for r in rows.values():
+        assert r["hit_tokens"] == 3200 and _positive(r["p50_ms"]) and _positive(r["p99_ms"])
+        assert r["target_ms"] in (1.0, 2.0)

@@ -1,4 +1,4 @@
-"""`tiered-cache` command line: `plan`, `run`, `replay`, `serve`.
+"""`tiered-cache` command line: `plan`, `run`, `run-shared`, `run-vllm`, `replay`, `serve`.
 
 Each subcommand is a module with `DESCRIPTION`, `add_arguments(parser)` and `main(args) -> int`;
 this file only dispatches. Exit codes and error lines: tiered_cache.tools.command.
@@ -21,6 +21,8 @@ COMMANDS = {
             "serve a multi-turn workload through the cache, three ways"),
     "run-shared": ("tiered_cache.tools.sharedjob",
                    "two engine processes sharing one node daemon: reuse across processes"),
+    "run-vllm": ("tiered_cache.tools.vllmjob",
+                 "the main workload through a real vLLM engine, with and without the connector"),
     "replay": ("tiered_cache.tools.replay", "replay a request trace through the control plane"),
     "serve": ("tiered_cache.daemon.serve", "run the node daemon engines on this node share"),
 }
