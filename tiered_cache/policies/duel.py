@@ -143,6 +143,48 @@ class Duel:
             self.hit(h, t, parent, depth)
             parent = h
 
+    # -- a chain at once (the interface `duel_arrays.ArrayDuel` compiles) ----------------------
+    def hits(self, keys: list[bytes], clocks: list[int], depths: list[int],
+             parent: bytes | None, stop: int = -1) -> int:
+        """`hit` of each key in order, each one's parent the one before (the first one's
+        `parent`): the sampled blocks of one reused chain, root first. With `stop` >= 0, stops
+        after the key that moved the choice off `stop`; returns the keys handled."""
+        for i, h in enumerate(keys):
+            self.hit(h, clocks[i], parent, depths[i])
+            parent = h
+            if stop >= 0 and self.choice != stop:
+                return i + 1
+        return len(keys)
+
+    def publish_keys(self, keys: list[bytes], clocks: list[int], depths: list[int],
+                     parent: bytes | None, tail: bool = False) -> None:
+        """`publish` with the chain in columns."""
+        if keys:
+            self.publish(list(zip(keys, clocks, depths)), parent, tail)
+
+    def publish_walk(self, keys: list[bytes], seen: list[int], clocks: list[int],
+                     depths: list[int], parent: bytes | None, tail: bool) -> None:
+        """The sampled blocks a walk collected (root first): those below the deepest one
+        already in the history at a last use >= its `seen` clock are published (its key their
+        parent; `parent` if none is), with `tail` for the last of them."""
+        hist = self.hist
+        for j in range(len(keys) - 1, -1, -1):
+            e = hist.get(keys[j])
+            if e is not None and e[LAST] >= seen[j]:
+                keys, clocks, depths, parent = keys[j + 1:], clocks[j + 1:], depths[j + 1:], \
+                    keys[j]
+                break
+        self.publish_keys(keys, clocks, depths, parent, tail)
+
+    def first_announced(self, keys: list[bytes], seen: list[int]) -> int:
+        """The first i whose key is in the history at a last use >= seen[i], or -1."""
+        hist = self.hist
+        for i, h in enumerate(keys):
+            e = hist.get(h)
+            if e is not None and e[LAST] >= seen[i]:
+                return i
+        return -1
+
     def _publish(self, keys: list[bytes], entries: list[list], tail: bool) -> None:
         if tail and entries[-1][USES] == 1:
             entries[-1][TAIL] = 1
