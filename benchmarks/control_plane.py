@@ -61,13 +61,13 @@ PROMPT_BLOCKS = 64
 PROMPT_TOKENS = BLOCK * PROMPT_BLOCKS
 
 
-def make_cache(num_blocks: int) -> TieredKVCache:
+def make_cache(num_blocks: int, policy: str = "lru") -> TieredKVCache:
     cfg = CacheConfig.from_dict({
         "model": {"name": "bench", "num_layers": 80, "num_kv_heads": 8, "head_dim": 128,
                   "dtype": "bfloat16"},
         "block_size": BLOCK,
         "storage": "none",
-        "policy": "lru",
+        "policy": policy,
         "tiers": {"gpu": {"device": "cpu", "num_blocks": num_blocks},
                   "host": {"num_blocks": 0}},
         "migrator": {"enabled": False},

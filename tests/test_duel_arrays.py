@@ -29,7 +29,7 @@ def credit_live(ref_m, arr_m, arr) -> tuple[list, list]:
     from tiered_cache.policies import duel_kernels as K
     from tiered_cache.policies.duel_arrays import _key
     for s in range(arr._G[K.G_FRESH]):
-        slot_key[s] = _key(S[K.KHI, s], S[K.KLO, s])
+        slot_key[s] = _key(S[s, K.KHI], S[s, K.KLO])
     got = []
     for p, d, serial, slot in arr_m.heap:
         h = slot_key[slot]
@@ -131,7 +131,7 @@ def test_long_run_trims_and_grows():
     drive(duels, Stream(99, roots=300), 12_000, check_every=400)
     ref, arr = duels
     assert len(ref.hist) >= ref.hist_limit          # trimming
-    assert arr._S.shape[1] > 768                     # grown past its first columns
+    assert arr._S.shape[0] > 768                     # grown past its first rows
 
 
 def test_fixed_and_choose():
@@ -157,10 +157,17 @@ def test_walk_helpers_match_the_reference():
         assert d.first_announced(keys, [5] * 6) == 0
         assert d.first_announced(keys[3:], [5] * 3) == -1
         assert d.first_announced(keys, [6] * 6) == -1
-        # a walk that collected keys 1..5: 1 and 2 are announced, so 3..5 go (parent 2)
-        d.publish_walk(keys[1:], [5] * 5, [7] * 5, [1, 2, 3, 4, 5], key(99), True)
+    import numpy as np
+    la = np.array([5, 5, 5, 7, 7, 7], np.int64)      # block i holds key i (last use la[i])
+    born = np.array([5, 5, 5, 7, 7, 7], np.int64)
+    dep = np.arange(6, dtype=np.int64)
+    walk = np.array([5, 4, 3, 2, 1], np.int64)        # deepest first, from block 5 up
+    for d in duels:
+        assert d.deepest_announced([keys[i] for i in walk], walk, la, 0) == 3    # block 2
+        # a walk from block 5 up to 1: 1 and 2 are announced, so 3..5 go (parent 2)
+        assert d.walk_publish([keys[i] for i in walk], walk, la, born, dep, 0, key(99)) == 3
     same(*duels)
-    assert duels[0].hist[keys[3]][3] == keys[2]
+    assert duels[0].hist[keys[3]][3] == keys[2] and duels[0].hist[keys[5]][5] == 1   # tail
 
 
 def test_keys_must_be_16_bytes():

@@ -7,10 +7,10 @@ uses this one: a use of a sampled key costs the reference 3-9 us of interpreted 
 work under the control-plane lock, here a share of one compiled call per chain (a request's
 sampled keys are handed in together: `hits`, `publish_keys`, `publish_walk`).
 
-State (see duel_kernels for the layout): per sampled key a column of an int64 table (its
+State (see duel_kernels for the layout): per sampled key a row of an int64 table (its
 history entry, its place in the history's order, its resident value and child count in each
 mini cache), an open-addressing hash table from key to column, and per mini cache a heap in two
-arrays. Columns and heap rows grow by doubling, so memory follows what is held: at most
+arrays. Rows and heaps grow by doubling, so memory follows what is held: at most
 `hist_limit` + k entries (as the reference) of 8 * (13 + 2k) bytes, and heaps of at most
 `4 * cap + 64` entries (the reference's bound) of 32 bytes plus `cap + 2` of scratch.
 
@@ -102,13 +102,13 @@ class ArrayDuel:
         self.wins = F[w:w + k * k].reshape(k, k)
         """Paired scores: wins[i][j] counts the sampled uses expert i hit and j missed (a
         view of the state: writable, as the reference's lists)."""
-        self._heapn = np.asarray([K.G_MINI + K.M_STRIDE * m + K.M_HEAPN for m in range(k)])
-        self._S = np.zeros((rows, 0), np.int64)
+        self._S = np.zeros((0, rows), np.int64)
         self._T = np.zeros(1, np.int64)
         self._grow_slots(min(1024, self.hist_limit + k + 2))
         self._HF = np.zeros((k, 0))
-        self._HI = np.zeros((k, K.H_ROWS, 0), np.int64)
-        self._grow_heaps(min(4 * self.cap + 64, 1024) + self.cap + 2)
+        self._HI = np.zeros((k, 0, K.H_ROWS), np.int64)
+        self._reserve = self.cap + 8           # set-aside scratch, and slack
+        self._grow_heaps(min(4 * self.cap + 64, 1024) + self._reserve)
         self._ints = np.zeros(96, np.int64)
         self._chain = np.zeros(32, np.int64)
 
@@ -148,10 +148,10 @@ class ArrayDuel:
     # -- room ---------------------------------------------------------------------------------
     def _grow_slots(self, n: int) -> None:
         S = self._S
-        have = S.shape[1]
+        have = S.shape[0]
         size = max(n, 2 * have)
-        new = np.zeros((S.shape[0], size), np.int64)
-        new[:, :have] = S
+        new = np.zeros((size, S.shape[1]), np.int64)
+        new[:have] = S
         self._S = new
         self._T = np.zeros(1 << (2 * size - 1).bit_length(), np.int64)     # load <= 1/2
         K.rebuild_table(self._T, self._S, self._G)
@@ -160,22 +160,23 @@ class ArrayDuel:
         HF, HI = self._HF, self._HI
         have = HF.shape[1]
         size = max(n, 2 * have)
-        live = int(self._G[self._heapn].max()) if have else 0
+        live = int(self._G[K.G_HEAPMAX])
         nf = np.zeros((self._k, size))
-        ni = np.zeros((self._k, K.H_ROWS, size), np.int64)
+        ni = np.zeros((self._k, size, K.H_ROWS), np.int64)
         nf[:, :live] = HF[:, :live]
-        ni[:, :, :live] = HI[:, :, :live]
+        ni[:, :live] = HI[:, :live]
         self._HF, self._HI = nf, ni
 
     def _room(self, n: int) -> None:
         """Room for a call that handles n keys: n new history entries, 2n heap entries per
         mini cache (a use pushes at most one entry and one for a parent its eviction
         exposes), `cap + 2` columns of scratch."""
-        if self._S.shape[1] - self._G[K.G_FRESH] < n:
-            self._grow_slots(int(self._G[K.G_FRESH]) + n)
-        need = int(self._G[self._heapn].max()) + 2 * n + 4 + self.cap + 2
+        G = self._G
+        if self._S.shape[0] - G[K.G_FRESH] < n:
+            self._grow_slots(int(G[K.G_FRESH]) + n)
+        need = G[K.G_HEAPMAX] + 2 * n + self._reserve
         if need > self._HF.shape[1]:
-            self._grow_heaps(need)
+            self._grow_heaps(int(need))
 
     def _pack(self, keys: Sequence[bytes], *columns: Sequence[int]) -> tuple[bytes, np.ndarray]:
         n = len(keys)
@@ -185,8 +186,11 @@ class ArrayDuel:
         ints = self._ints
         if len(ints) < len(columns) * n:
             ints = self._ints = np.zeros(2 * len(columns) * n, np.int64)
-        for i, col in enumerate(columns):
-            ints[i * n:(i + 1) * n] = col
+        if len(columns) == 2 and type(columns[0]) is list and type(columns[1]) is list:
+            ints[:2 * n] = columns[0] + columns[1]        # one conversion
+        else:
+            for i, col in enumerate(columns):
+                ints[i * n:(i + 1) * n] = col
         return kb, ints
 
     def _scratch(self, n: int) -> np.ndarray:
@@ -234,33 +238,54 @@ class ArrayDuel:
         K.publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ints, n, phi,
                   plo, pnone, tail, self._scratch(n))
 
-    def publish_walk(self, keys: Sequence[bytes], seen: Sequence[int], clocks: Sequence[int],
-                     depths: Sequence[int], parent: bytes | None, tail: bool) -> None:
-        """The sampled blocks a walk collected (root first): those below the deepest one
-        already in the history at a last use >= its `seen` clock are published (its key their
-        parent; `parent` if none is), with `tail` for the last of them."""
-        n = len(keys)
-        if not n:
-            return
-        self._room(n)
-        kb, ints = self._pack(keys, clocks, depths, seen)
-        j = K.first_announced_from_end(self._S, self._T, kb, ints, n, 2 * n)
-        if j >= 0:
-            if j == n - 1:
-                return
-            parent = keys[j]
-            kb, ints = self._pack(keys[j + 1:], clocks[j + 1:], depths[j + 1:])
-            n -= j + 1
-        phi, plo, pnone = _words(parent)
-        K.publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ints, n, phi,
-                  plo, pnone, tail, self._scratch(n))
-
     def first_announced(self, keys: Sequence[bytes], seen: Sequence[int]) -> int:
         """The first i whose key is in the history at a last use >= seen[i], or -1."""
         if not keys:
             return -1
         kb, ints = self._pack(keys, seen)
         return K.first_announced(self._S, self._T, kb, ints, len(keys))
+
+    # -- a chain of blocks (the live policy's loops; see duel_kernels) ----------------------
+    def hit_chain(self, keys: Sequence[bytes], ids: np.ndarray, la: np.ndarray,
+                  dep: np.ndarray, start: int, parent: bytes | None, mask: int, stop: int,
+                  calls0: int, switched_at: int, cap: int) -> tuple[int, int]:
+        """`hit` of the sampled keys among blocks start.. of a reused chain, root first
+        (`ids`; `la`, `dep`: the table's last-use and depth arrays): (the position after
+        whose hit the choice moved off `stop` while the live policy may follow it, else
+        len(keys); the chain's latest last use). See duel_kernels.hit_chain."""
+        n = len(keys)
+        self._room(n)
+        kb = _EMPTY.join(keys)
+        if len(kb) != 16 * n:
+            raise ValueError("duel keys are 16 bytes")
+        phi, plo, pnone = _words(parent)
+        pos = K.hit_chain(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ids, la,
+                          dep, n, start, mask, phi, plo, pnone, stop, calls0, switched_at,
+                          cap)
+        return pos, int(self._G[K.G_OUT])
+
+    def deepest_announced(self, keys: Sequence[bytes], ids: np.ndarray, la: np.ndarray,
+                          mask: int) -> int:
+        """Of a walk's blocks (deepest first), the first sampled one whose key is in the
+        history at a last use >= its own last use, or -1."""
+        kb = _EMPTY.join(keys)
+        if len(kb) != 16 * len(keys):
+            raise ValueError("duel keys are 16 bytes")
+        return K.deepest_announced(self._S, self._T, kb, ids, la, len(keys), mask)
+
+    def walk_publish(self, keys: Sequence[bytes], ids: np.ndarray, la: np.ndarray,
+                     born: np.ndarray, dep: np.ndarray, mask: int,
+                     parent: bytes | None) -> int:
+        """A walk's blocks, deepest first: the sampled ones below the deepest announced one
+        are published, root first (see duel_kernels.walk_publish); returns how many."""
+        n = len(keys)
+        self._room(n)
+        kb = _EMPTY.join(keys)
+        if len(kb) != 16 * n:
+            raise ValueError("duel keys are 16 bytes")
+        phi, plo, pnone = _words(parent)
+        return K.walk_publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ids,
+                              la, born, dep, n, mask, phi, plo, pnone, self._scratch(2 * n))
 
     # -- inspection (tests; O(entries)) ----------------------------------------------------------
     @property
@@ -270,11 +295,11 @@ class ArrayDuel:
         S, out = self._S, OrderedDict()
         s = int(self._G[K.G_HEAD])
         while s >= 0:
-            parent = None if S[K.PNONE, s] else _key(S[K.PHI, s], S[K.PLO, s])
-            out[_key(S[K.KHI, s], S[K.KLO, s])] = [int(S[K.USES, s]), int(S[K.FIRST, s]),
-                                                 int(S[K.LAST, s]), parent,
-                                                 int(S[K.DEPTH, s]), int(S[K.TAIL, s])]
-            s = int(S[K.NEXT, s])
+            parent = None if S[s, K.PNONE] else _key(S[s, K.PHI], S[s, K.PLO])
+            out[_key(S[s, K.KHI], S[s, K.KLO])] = [int(S[s, K.USES]), int(S[s, K.FIRST]),
+                                                 int(S[s, K.LAST]), parent,
+                                                 int(S[s, K.DEPTH]), int(S[s, K.TAIL])]
+            s = int(S[s, K.NEXT])
         return out
 
     @property
@@ -285,25 +310,25 @@ class ArrayDuel:
         s = int(self._G[K.G_HEAD])
         while s >= 0:
             cols.append(s)
-            s = int(S[K.NEXT, s])
+            s = int(S[s, K.NEXT])
         for m in range(k):
             g = K.G_MINI + K.M_STRIDE * m
             lru = self._G[g + K.M_KIND] == 0
             n = int(self._G[g + K.M_HEAPN])
-            keys = {s: _key(S[K.KHI, s], S[K.KLO, s]) for s in cols}
-            res = S[K.RES0 + m]
-            kids = S[K.RES0 + k + m]
+            keys = {s: _key(S[s, K.KHI], S[s, K.KLO]) for s in cols}
+            res = S[:, K.RES0 + m]
+            kids = S[:, K.RES0 + k + m]
             if lru:
                 view = MiniView("lru", self.cap, {keys[s] for s in cols if res[s]})
-                view.heap = [(self._HF[m, i], int(self._HI[m, K.H_NEGD, i]),
-                              _key(self._HI[m, K.H_A, i], self._HI[m, K.H_B, i]))
+                view.heap = [(self._HF[m, i], int(self._HI[m, i, K.H_NEGD]),
+                              _key(self._HI[m, i, K.H_A], self._HI[m, i, K.H_B]))
                              for i in range(n)]
             else:
                 view = MiniView("credit", self.cap, {keys[s]: int(res[s]) for s in cols
                                                      if res[s]},
                                 {keys[s]: int(kids[s]) for s in cols if kids[s]})
-                view.heap = [(self._HF[m, i], int(self._HI[m, K.H_NEGD, i]),
-                              int(self._HI[m, K.H_A, i]), int(self._HI[m, K.H_B, i]))
+                view.heap = [(self._HF[m, i], int(self._HI[m, i, K.H_NEGD]),
+                              int(self._HI[m, i, K.H_A]), int(self._HI[m, i, K.H_B]))
                              for i in range(n)]
             out.append(view)
         return out

@@ -4,7 +4,7 @@ Operation for operation the algorithm of `duel.Duel` and `shadow.LruMini` / `sha
 (the readable reference, kept beside it and checked against it use by use in
 tests/test_duel_arrays.py); only the containers differ:
 
-- a sampled key's history entry is a *slot*: a column of `S` (rows below); the key itself is
+- a sampled key's history entry is a *slot*: a row of `S` (fields below); the key itself is
   two int64 words (`KHI`, `KLO`: its 16 bytes, big-endian halves) and a slot is found by an
   open-addressing hash table `T` (slot + 1 per cell, 0 empty, linear probing, deletion by
   backward shift);
@@ -41,14 +41,14 @@ import math
 import numpy as np
 from numba import njit
 
-# -- rows of S (one column per slot) -----------------------------------------------------------
+# -- fields of S (one row per slot) -----------------------------------------------------------
 KHI, KLO, USES, FIRST, LAST, DEPTH, TAIL, PHI, PLO, PNONE, PREV, NEXT, STAMP = range(13)
 RES0 = 13
-"""Rows RES0 + m: mini cache m's resident set; rows RES0 + k + m: its child counts."""
+"""Fields RES0 + m: mini cache m's resident set; RES0 + k + m: its child counts."""
 
 # -- G: int64 globals ---------------------------------------------------------------------------
 (G_K, G_CAP, G_HLIMIT, G_WINDOW, G_USES, G_NOW, G_CHOICE, G_SWITCHES, G_FIXED, G_TAILS_DEAD,
- G_HEAD, G_TAIL, G_HLEN, G_FREE, G_FRESH, G_NSLOTS, G_STAMP) = range(17)
+ G_HEAD, G_TAIL, G_HLEN, G_FREE, G_FRESH, G_NSLOTS, G_STAMP, G_HEAPMAX, G_OUT) = range(19)
 G_MINI = 20
 """Per mini cache m, at G_MINI + M_STRIDE * m + field:"""
 M_KIND, M_RESN, M_SERIAL, M_HEAPN, M_GONE, M_BATCH, M_SINCE = range(7)
@@ -62,7 +62,7 @@ FM_LIFETIMES, FM_GAPS, FM_LIFETIME = range(3)
 FM_STRIDE = 4
 # the scores wins[i][j] follow at F_MINI + FM_STRIDE * k, row-major
 
-# -- rows of HI (one column per heap entry) ------------------------------------------------------
+# -- fields of HI (HI[m, i]: heap m's entry i) ---------------------------------------------
 H_NEGD, H_A, H_B = range(3)
 """(-depth, serial, slot) for a credit expert's entries, (-depth, key hi, key lo) for LRU's."""
 H_ROWS = 3
@@ -107,7 +107,7 @@ def _find(T, S, hi, lo):
         if v == 0:
             return -1
         s = v - 1
-        if S[KHI, s] == hi and S[KLO, s] == lo:
+        if S[s, KHI] == hi and S[s, KLO] == lo:
             return s
         i = (i + 1) & mask
 
@@ -115,7 +115,7 @@ def _find(T, S, hi, lo):
 @njit(cache=True)
 def _table_add(T, S, s):
     mask = T.shape[0] - 1
-    i = _hash(S[KHI, s], S[KLO, s]) & mask
+    i = _hash(S[s, KHI], S[s, KLO]) & mask
     while T[i] != 0:
         i = (i + 1) & mask
     T[i] = s + 1
@@ -124,7 +124,7 @@ def _table_add(T, S, s):
 @njit(cache=True)
 def _table_remove(T, S, s):
     mask = T.shape[0] - 1
-    i = _hash(S[KHI, s], S[KLO, s]) & mask
+    i = _hash(S[s, KHI], S[s, KLO]) & mask
     while T[i] != s + 1:
         i = (i + 1) & mask
     j = i
@@ -133,7 +133,7 @@ def _table_remove(T, S, s):
         v = T[j]
         if v == 0:
             break
-        h = _hash(S[KHI, v - 1], S[KLO, v - 1]) & mask
+        h = _hash(S[v - 1, KHI], S[v - 1, KLO]) & mask
         if i <= j:
             if i < h <= j:
                 continue
@@ -151,7 +151,7 @@ def rebuild_table(T, S, G):
     s = G[G_HEAD]
     while s >= 0:
         _table_add(T, S, s)
-        s = S[NEXT, s]
+        s = S[s, NEXT]
 
 
 # ---------------------------------------------------------------------------- the history
@@ -160,10 +160,10 @@ def rebuild_table(T, S, G):
 @njit(cache=True, inline="always")
 def _append(S, G, s):
     t = G[G_TAIL]
-    S[PREV, s] = t
-    S[NEXT, s] = -1
+    S[s, PREV] = t
+    S[s, NEXT] = -1
     if t >= 0:
-        S[NEXT, t] = s
+        S[t, NEXT] = s
     else:
         G[G_HEAD] = s
     G[G_TAIL] = s
@@ -172,13 +172,13 @@ def _append(S, G, s):
 
 @njit(cache=True, inline="always")
 def _unlink(S, G, s):
-    p, n = S[PREV, s], S[NEXT, s]
+    p, n = S[s, PREV], S[s, NEXT]
     if p >= 0:
-        S[NEXT, p] = n
+        S[p, NEXT] = n
     else:
         G[G_HEAD] = n
     if n >= 0:
-        S[PREV, n] = p
+        S[n, PREV] = p
     else:
         G[G_TAIL] = p
     G[G_HLEN] -= 1
@@ -192,14 +192,14 @@ def _trim(S, T, G):
     for _ in range(k + 1):
         s = G[G_HEAD]
         _unlink(S, G, s)
-        held = S[STAMP, s] == G[G_STAMP]
+        held = S[s, STAMP] == G[G_STAMP]
         for m in range(k):
-            if S[RES0 + m, s] != 0:
+            if S[s, RES0 + m] != 0:
                 held = True
                 break
         if not held:
             _table_remove(T, S, s)
-            S[NEXT, s] = G[G_FREE]
+            S[s, NEXT] = G[G_FREE]
             G[G_FREE] = s
             return
         _append(S, G, s)
@@ -213,40 +213,40 @@ def _record(S, T, G, F, hi, lo, t, phi, plo, pnone, depth):
     if s < 0:
         s = G[G_FREE]
         if s >= 0:
-            G[G_FREE] = S[NEXT, s]
+            G[G_FREE] = S[s, NEXT]
         else:
             s = G[G_FRESH]
             G[G_FRESH] = s + 1
-        S[KHI, s] = hi
-        S[KLO, s] = lo
-        S[USES, s] = 1
-        S[FIRST, s] = t
-        S[LAST, s] = t
-        S[PHI, s] = phi
-        S[PLO, s] = plo
-        S[PNONE, s] = pnone
-        S[DEPTH, s] = depth
-        S[TAIL, s] = 0
-        S[STAMP, s] = G[G_STAMP]
+        S[s, KHI] = hi
+        S[s, KLO] = lo
+        S[s, USES] = 1
+        S[s, FIRST] = t
+        S[s, LAST] = t
+        S[s, PHI] = phi
+        S[s, PLO] = plo
+        S[s, PNONE] = pnone
+        S[s, DEPTH] = depth
+        S[s, TAIL] = 0
+        S[s, STAMP] = G[G_STAMP]
         for r in range(RES0, RES0 + 2 * G[G_K]):
-            S[r, s] = 0
+            S[s, r] = 0
         _table_add(T, S, s)
         _append(S, G, s)
         if G[G_HLEN] > G[G_HLIMIT]:
             _trim(S, T, G)
         F[F_ONCE0] += 1.0
-    elif t <= S[LAST, s]:
+    elif t <= S[s, LAST]:
         return -1
     else:
-        if S[USES, s] == 1:             # reused after one use: a success of its kind
-            if S[TAIL, s]:
+        if S[s, USES] == 1:             # reused after one use: a success of its kind
+            if S[s, TAIL]:
                 F[F_TAILS1] += 1.0
             else:
                 F[F_ONCE1] += 1.0
-            S[TAIL, s] = 0
-        S[USES, s] += 1
-        S[LAST, s] = t
-        S[STAMP, s] = G[G_STAMP]
+            S[s, TAIL] = 0
+        S[s, USES] += 1
+        S[s, LAST] = t
+        S[s, STAMP] = G[G_STAMP]
         if G[G_TAIL] != s:
             _unlink(S, G, s)
             _append(S, G, s)
@@ -258,9 +258,9 @@ def _record(S, T, G, F, hi, lo, t, phi, plo, pnone, depth):
 @njit(cache=True, inline="always")
 def _parent_slot(S, T, s):
     """The slot of s's parent key, -1 if it has none or the key has no entry."""
-    if S[PNONE, s]:
+    if S[s, PNONE]:
         return -1
-    return _find(T, S, S[PHI, s], S[PLO, s])
+    return _find(T, S, S[s, PHI], S[s, PLO])
 
 
 # ---------------------------------------------------------------------------- heaps
@@ -272,11 +272,11 @@ def _less(HF, HI, m, i, j):
     a, b = HF[m, i], HF[m, j]
     if a != b:
         return a < b
-    x, y = HI[m, H_NEGD, i], HI[m, H_NEGD, j]
+    x, y = HI[m, i, H_NEGD], HI[m, j, H_NEGD]
     if x != y:
         return x < y
     for r in (H_A, H_B):
-        u, v = np.uint64(HI[m, r, i]), np.uint64(HI[m, r, j])
+        u, v = np.uint64(HI[m, i, r]), np.uint64(HI[m, j, r])
         if u != v:
             return u < v
     return False
@@ -286,7 +286,7 @@ def _less(HF, HI, m, i, j):
 def _swap(HF, HI, m, i, j):
     HF[m, i], HF[m, j] = HF[m, j], HF[m, i]
     for r in range(H_ROWS):
-        HI[m, r, i], HI[m, r, j] = HI[m, r, j], HI[m, r, i]
+        HI[m, i, r], HI[m, j, r] = HI[m, j, r], HI[m, i, r]
 
 
 @njit(cache=True)
@@ -322,9 +322,9 @@ def _push(HF, HI, G, m, p, negd, a, b):
     if n >= HF.shape[1] - G[G_CAP] - 2:
         raise IndexError("duel heap full: the caller reserves room before each call")
     HF[m, n] = p
-    HI[m, H_NEGD, n] = negd
-    HI[m, H_A, n] = a
-    HI[m, H_B, n] = b
+    HI[m, n, H_NEGD] = negd
+    HI[m, n, H_A] = a
+    HI[m, n, H_B] = b
     G[g + M_HEAPN] = n + 1
     _sift_up(HF, HI, m, n)
 
@@ -345,7 +345,7 @@ def _pop_to(HF, HI, G, m, dst):
 def _copy(HF, HI, m, src, dst):
     HF[m, dst] = HF[m, src]
     for r in range(H_ROWS):
-        HI[m, r, dst] = HI[m, r, src]
+        HI[m, dst, r] = HI[m, src, r]
 
 
 @njit(cache=True)
@@ -388,9 +388,9 @@ def _count_gone(G, F, m, gone):
 @njit(cache=True)
 def _set_res(S, G, m, s, value):
     """res[key] = value (value != 0), counting a newly resident key."""
-    if S[RES0 + m, s] == 0:
+    if S[s, RES0 + m] == 0:
         G[G_MINI + M_STRIDE * m + M_RESN] += 1
-    S[RES0 + m, s] = value
+    S[s, RES0 + m] = value
 
 
 @njit(cache=True)
@@ -401,18 +401,18 @@ def _credit_push(S, G, F, HF, HI, m, s):
     n = G[g + M_SERIAL] + 1
     G[g + M_SERIAL] = n
     _set_res(S, G, m, s, n)
-    last = S[LAST, s]
+    last = S[s, LAST]
     p = float(last)
-    uses = S[USES, s]
+    uses = S[s, USES]
     if uses > 1:
-        span = last - S[FIRST, s]
+        span = last - S[s, FIRST]
         if span > 0:
             c = F[f + FM_LIFETIMES] * F[f + FM_LIFETIME] * math.log2(uses)
             cap = F[f + FM_GAPS] * span / (uses - 1)
             p += c if c < cap else cap
-    elif S[TAIL, s] and G[G_TAILS_DEAD]:
+    elif S[s, TAIL] and G[G_TAILS_DEAD]:
         p -= TAIL_FIRST
-    _push(HF, HI, G, m, p, -S[DEPTH, s], n, s)
+    _push(HF, HI, G, m, p, -S[s, DEPTH], n, s)
 
 
 @njit(cache=True)
@@ -429,22 +429,22 @@ def _credit_evict(S, T, G, F, HF, HI, m, pinned, has_pinned):
     while G[g + M_RESN] > cap and G[g + M_HEAPN] > 0:
         dst = hcap - 1 - aside
         _pop_to(HF, HI, G, m, dst)
-        v = HI[m, H_B, dst]
-        if S[res, v] != HI[m, H_A, dst] or S[kids, v] != 0:
+        v = HI[m, dst, H_B]
+        if S[v, res] != HI[m, dst, H_A] or S[v, kids] != 0:
             continue                    # stale, or it has a resident child
-        if has_pinned and S[LAST, v] == pinned:
+        if has_pinned and S[v, LAST] == pinned:
             aside += 1
             continue
-        S[res, v] = 0
+        S[v, res] = 0
         G[g + M_RESN] -= 1
         gone += 1
         ps = _parent_slot(S, T, v)
         if ps >= 0:
-            c = S[kids, ps]
+            c = S[ps, kids]
             if c > 1:
-                S[kids, ps] = c - 1
+                S[ps, kids] = c - 1
             elif c == 1:                # its last resident child left: evictable again
-                S[kids, ps] = 0
+                S[ps, kids] = 0
                 _credit_push(S, G, F, HF, HI, m, ps)
     for i in range(aside):
         src = hcap - 1 - i
@@ -457,8 +457,8 @@ def _credit_evict(S, T, G, F, HF, HI, m, pinned, has_pinned):
     if n > 4 * cap + 64:                # shed stale entries (amortised O(1) per push)
         w = 0
         for i in range(n):
-            v = HI[m, H_B, i]
-            if S[res, v] == HI[m, H_A, i] and S[kids, v] == 0:
+            v = HI[m, i, H_B]
+            if S[v, res] == HI[m, i, H_A] and S[v, kids] == 0:
                 if w != i:
                     _copy(HF, HI, m, i, w)
                 w += 1
@@ -475,14 +475,14 @@ def _lru_evict(S, T, G, F, HF, HI, m):
     res = RES0 + m
     gone = 0
     while G[g + M_RESN] > cap and G[g + M_HEAPN] > 0:
-        v = _find(T, S, HI[m, H_A, 0], HI[m, H_B, 0])
-        if v >= 0 and S[LAST, v] > HF[m, 0]:
-            HF[m, 0] = float(S[LAST, v])             # heapreplace: used since it was pushed
+        v = _find(T, S, HI[m, 0, H_A], HI[m, 0, H_B])
+        if v >= 0 and S[v, LAST] > HF[m, 0]:
+            HF[m, 0] = float(S[v, LAST])             # heapreplace: used since it was pushed
             _sift_down(HF, HI, m, 0, G[g + M_HEAPN])
             continue
         _pop_to(HF, HI, G, m, HF.shape[1] - 1)
-        if v >= 0 and S[res, v] != 0:
-            S[res, v] = 0
+        if v >= 0 and S[v, res] != 0:
+            S[v, res] = 0
             G[g + M_RESN] -= 1
         gone += 1
     _count_gone(G, F, m, gone)
@@ -490,7 +490,7 @@ def _lru_evict(S, T, G, F, HF, HI, m):
 
 @njit(cache=True)
 def _lru_push(S, G, HF, HI, m, s):
-    _push(HF, HI, G, m, float(S[LAST, s]), -S[DEPTH, s], S[KHI, s], S[KLO, s])
+    _push(HF, HI, G, m, float(S[s, LAST]), -S[s, DEPTH], S[s, KHI], S[s, KLO])
 
 
 @njit(cache=True)
@@ -500,7 +500,7 @@ def _mini_hit(S, T, G, F, HF, HI, m, s):
     g = G_MINI + M_STRIDE * m
     res = RES0 + m
     if G[g + M_KIND] == 0:              # LRU
-        if S[res, s] != 0:
+        if S[s, res] != 0:
             return True
         _set_res(S, G, m, s, 1)
         _lru_push(S, G, HF, HI, m, s)
@@ -508,16 +508,16 @@ def _mini_hit(S, T, G, F, HF, HI, m, s):
             _lru_evict(S, T, G, F, HF, HI, m)
         return False
     kids = RES0 + k + m
-    if S[res, s] != 0:
-        if S[kids, s] == 0:             # a candidate: re-key it
+    if S[s, res] != 0:
+        if S[s, kids] == 0:             # a candidate: re-key it
             _credit_push(S, G, F, HF, HI, m, s)
         return True
     ps = _parent_slot(S, T, s)
-    if ps >= 0 and S[res, ps] != 0:
-        S[kids, ps] += 1
+    if ps >= 0 and S[ps, res] != 0:
+        S[ps, kids] += 1
     _credit_push(S, G, F, HF, HI, m, s)
     if G[g + M_RESN] > G[G_CAP]:
-        _credit_evict(S, T, G, F, HF, HI, m, S[LAST, s], True)
+        _credit_evict(S, T, G, F, HF, HI, m, S[s, LAST], True)
     return False
 
 
@@ -530,12 +530,12 @@ def _mini_publish(S, T, G, F, HF, HI, m, chain, n, ps):
     g = G_MINI + M_STRIDE * m
     res = RES0 + m
     j = 0
-    while j < n and S[res, chain[j]] != 0:
+    while j < n and S[chain[j], res] != 0:
         j += 1
     if G[g + M_KIND] == 0:              # LRU
         for i in range(j, n):
             s = chain[i]
-            if S[res, s] == 0:
+            if S[s, res] == 0:
                 _set_res(S, G, m, s, 1)
             _lru_push(S, G, HF, HI, m, s)
         if G[g + M_RESN] > G[G_CAP]:
@@ -544,16 +544,16 @@ def _mini_publish(S, T, G, F, HF, HI, m, chain, n, ps):
     kids = RES0 + k + m
     if j == n:
         s = chain[n - 1]
-        if S[kids, s] == 0:
+        if S[s, kids] == 0:
             _credit_push(S, G, F, HF, HI, m, s)
         return j
     if j:
         ps = chain[j - 1]
-    if ps >= 0 and S[res, ps] != 0:
-        S[kids, ps] += 1
+    if ps >= 0 and S[ps, res] != 0:
+        S[ps, kids] += 1
     for i in range(j, n - 1):           # each one's child follows: not evictable
         _set_res(S, G, m, chain[i], -1)
-        S[kids, chain[i]] = 1
+        S[chain[i], kids] = 1
     _credit_push(S, G, F, HF, HI, m, chain[n - 1])
     if G[g + M_RESN] > G[G_CAP]:
         _credit_evict(S, T, G, F, HF, HI, m, 0, False)
@@ -627,8 +627,8 @@ def _publish(S, T, G, F, HF, HI, chain, n, tail):
     """Duel._publish of the recorded slots chain[:n]."""
     k = G[G_K]
     last = chain[n - 1]
-    if tail and S[USES, last] == 1:
-        S[TAIL, last] = 1
+    if tail and S[last, USES] == 1:
+        S[last, TAIL] = 1
         F[F_ONCE0] -= 1.0
         F[F_TAILS0] += 1.0
         G[G_TAILS_DEAD] = 1 if ((F[F_TAILS1] + 0.5) / (F[F_TAILS0] + 1.0)
@@ -654,6 +654,15 @@ def _publish(S, T, G, F, HF, HI, chain, n, tail):
 
 
 @njit(cache=True)
+def _done(G):
+    """The longest heap, for the caller's room check before the next call."""
+    top = 0
+    for m in range(G[G_K]):
+        top = max(top, G[G_MINI + M_STRIDE * m + M_HEAPN])
+    G[G_HEAPMAX] = top
+
+
+@njit(cache=True)
 def hits(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, stop):
     """Duel.hit of n keys in order: key i is kb[16 i:16 i + 16], used at clock ints[i] with
     depth ints[n + i]; key i's parent is key i - 1, the first one's (phi, plo, pnone).
@@ -666,7 +675,9 @@ def hits(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, stop):
         _hit(S, T, G, F, HF, HI, hi, lo, ints[i], phi, plo, pnone, ints[n + i])
         phi, plo, pnone = hi, lo, 0
         if stop >= 0 and G[G_CHOICE] != stop:
+            _done(G)
             return i + 1
+    _done(G)
     return n
 
 
@@ -693,6 +704,7 @@ def publish(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, tail, chain):
         hi, lo = _word(kb, 16 * i), _word(kb, 16 * i + 8)
         _hit(S, T, G, F, HF, HI, hi, lo, ints[i], phi, plo, pnone, ints[n + i])
         phi, plo, pnone = hi, lo, 0
+    _done(G)
 
 
 @njit(cache=True)
@@ -701,7 +713,7 @@ def first_announced(S, T, kb, ints, n):
     or -1."""
     for i in range(n):
         s = _find(T, S, _word(kb, 16 * i), _word(kb, 16 * i + 8))
-        if s >= 0 and S[LAST, s] >= ints[i]:
+        if s >= 0 and S[s, LAST] >= ints[i]:
             return i
     return -1
 
@@ -712,12 +724,112 @@ def lookup(S, T, kb):
     return _find(T, S, _word(kb, 0), _word(kb, 8))
 
 
+# ---------------------------------------------------------------------------- a chain of blocks
+# The live policy's own loops over the block table (`la`, `dep`, `born`, `par`, `hits`: numpy
+# views of BlockTable fields), so it never steps through a chain in Python: `kb` holds the
+# chain's keys, 16 bytes each, in the order of `ids`; a key is sampled when its first byte
+# has no bit of `mask` set.
+
+
 @njit(cache=True)
-def first_announced_from_end(S, T, kb, ints, n, off):
-    """The last i (from the end) with key i in the history at a last use >= ints[off + i], or
-    -1: a walk from the deepest key up stops at the first announced one."""
-    for i in range(n - 1, -1, -1):
+def hit_chain(S, T, G, F, HF, HI, kb, ids, la, dep, n, start, mask, phi, plo, pnone, stop,
+              calls0, switched_at, cap):
+    """Duel.hit of the sampled keys among blocks start..n-1 of a reused chain (root first;
+    the first sampled one's parent is (phi, plo, pnone), each later one's the sampled one
+    before it). Returns the position of the block after whose hit the choice moved off
+    `stop` while the live policy may follow (`switched_at` < 0, or `calls0 + position + 1 -
+    switched_at >= cap`: AdaptivePolicy._follow's pacing), else n. G[G_OUT]: the chain's
+    latest last use."""
+    G[G_STAMP] += 1
+    latest = la[ids[0]]
+    for i in range(n):
+        if la[ids[i]] > latest:
+            latest = la[ids[i]]
+    G[G_OUT] = latest
+    for i in range(start, n):
+        if kb[16 * i] & mask:
+            continue
+        hi, lo = _word(kb, 16 * i), _word(kb, 16 * i + 8)
+        b = ids[i]
+        _hit(S, T, G, F, HF, HI, hi, lo, la[b], phi, plo, pnone, dep[b])
+        phi, plo, pnone = hi, lo, 0
+        if stop >= 0 and G[G_CHOICE] != stop and (
+                switched_at < 0 or calls0 + i + 1 - switched_at >= cap):
+            _done(G)
+            return i
+    _done(G)
+    return n
+
+
+@njit(cache=True)
+def walk_up(par, hits, b, limit, out):
+    """Block b and its ancestors while never hit, at most `limit` of them, into `out`
+    (deepest first; `out` holds at least limit + 1): returns how many; out[limit] is the
+    block the walk stopped at (-1: it passed the root)."""
+    m = 0
+    while b >= 0 and hits[b] == 0 and m < limit:
+        out[m] = b
+        m += 1
+        b = par[b]
+    out[limit] = b
+    return m
+
+
+@njit(cache=True)
+def deepest_announced(S, T, kb, ids, la, n, mask):
+    """The first sampled block from the deepest (position 0 of `ids`, deepest first) whose
+    key is in the history at a last use >= its own last use, or -1."""
+    for i in range(n):
+        if kb[16 * i] & mask:
+            continue
         s = _find(T, S, _word(kb, 16 * i), _word(kb, 16 * i + 8))
-        if s >= 0 and S[LAST, s] >= ints[off + i]:
+        if s >= 0 and S[s, LAST] >= la[ids[i]]:
             return i
     return -1
+
+
+@njit(cache=True)
+def walk_publish(S, T, G, F, HF, HI, kb, ids, la, born, dep, n, mask, phi, plo, pnone,
+                 chain):
+    """A walk's blocks, deepest first from the block it started at (`ids`, their keys in
+    `kb`): the sampled ones below the deepest announced one (`deepest_announced`) go to
+    `publish` root first, at their publication clocks, the announced one's key their parent
+    (else (phi, plo, pnone)), the tail flag set when the walk's first block is one of them.
+    `chain`: scratch of at least 2n. Returns how many were handed in."""
+    cut = deepest_announced(S, T, kb, ids, la, n, mask)
+    end = n
+    if cut >= 0:
+        end = cut
+        phi, plo, pnone = _word(kb, 16 * cut), _word(kb, 16 * cut + 8), 0
+    m = 0                               # positions of the sampled ones, root first
+    for i in range(end - 1, -1, -1):
+        if not kb[16 * i] & mask:
+            chain[n + m] = i
+            m += 1
+    if m == 0:
+        return 0
+    G[G_STAMP] += 1
+    tail = not (kb[0] & mask)
+    k = 0
+    brk = m
+    for j in range(m):                  # Duel.publish
+        i = chain[n + j]
+        hi, lo = _word(kb, 16 * i), _word(kb, 16 * i + 8)
+        b = ids[i]
+        s = _record(S, T, G, F, hi, lo, born[b], phi, plo, pnone, dep[b])
+        phi, plo, pnone = hi, lo, 0
+        if s < 0:                       # announced already: the rest is no fresh chain
+            brk = j + 1
+            break
+        chain[k] = s
+        k += 1
+    if k:
+        _publish(S, T, G, F, HF, HI, chain, k, tail and brk == m and k == m)
+    for j in range(brk, m):
+        i = chain[n + j]
+        hi, lo = _word(kb, 16 * i), _word(kb, 16 * i + 8)
+        b = ids[i]
+        _hit(S, T, G, F, HF, HI, hi, lo, born[b], phi, plo, pnone, dep[b])
+        phi, plo, pnone = hi, lo, 0
+    _done(G)
+    return m
