@@ -125,3 +125,35 @@ def test_daemon_remote_quick(tmp_path):
     assert data["remote_b"]["loaded_blocks"] == 3 * 8 and data["remote_b"]["load_failures"] == 0
     assert all(_positive(r["p50_ms"]) for r in data["rows"])
     assert "cold (from the store)" in out
+
+
+def test_control_plane_quick(tmp_path):
+    data, stdout = run_bench("control_plane", tmp_path, "--sizes", "1000", "--sample", "4",
+                             "--repeats", "1", "--clock", "cpu")
+    assert "control plane (adaptive, cpu time)" in stdout
+    assert data["args"]["policy"] == "adaptive"
+    assert {r["workload"] for r in data["rows"]} == {"hit", "miss"}
+    for r in data["rows"]:
+        assert r["policy"] == "adaptive" and r["cached_blocks"] == 1000
+        assert _positive(r["ours_ns_per_block"]) and _positive(r["floor_ns_per_block"])
+    mem, _ = run_bench("control_plane", tmp_path, "--memory", "--sizes", "2000",
+                       "--policy", "lru")
+    (row,) = mem["rows"]
+    assert row["policy"] == "lru" and row["cached_blocks"] == 2000
+    assert _positive(row["bytes_per_block"]) and "rss_bytes_per_block" in row
+
+
+def test_control_plane_peers_says_when_a_peer_is_missing(tmp_path):
+    """Where neither peer imports (this suite's venv), the peer benchmark measures nothing,
+    says so, and still writes its JSON."""
+    data, stdout = run_bench("control_plane_peers", tmp_path, "--sizes", "1024",
+                             "--vllm-python", sys.executable, "--sglang-python",
+                             sys.executable)
+    for peer in ("vllm", "sglang"):
+        try:
+            __import__({"vllm": "vllm.v1.core.block_pool",
+                        "sglang": "sglang.srt.mem_cache.radix_cache"}[peer])
+        except ImportError:
+            assert peer in data["skipped"] and "skipped" in stdout
+    if not data["interpreters"]:
+        assert data["rows"] == [] and "no peer importable" in stdout

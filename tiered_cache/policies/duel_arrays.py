@@ -16,8 +16,10 @@ arrays. Rows and heaps grow by doubling, so memory follows what is held: at most
 
 NOTE: keys must be 16 bytes (content keys are 128-bit): a key is two int64 words here.
 
-NOTE: numba compiles the kernels at the first use in a process (cached on disk under
-`__pycache__`, so once per installation and source change: about 10-20 s the first time).
+NOTE: numba compiles the kernels once per installation and source change (cached on disk
+under `__pycache__`: about 20 s of CPU), and every process loads them (about 0.2 s, plus 0.3 s
+to import numba). Both happen when the first ArrayDuel is built (`warm_up`), with the cache
+being built, never inside a policy hook under the control-plane lock.
 """
 
 from __future__ import annotations
@@ -34,6 +36,33 @@ from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT
 from tiered_cache.policies.shadow import EXPERTS, Expert
 
 _EMPTY = b""
+
+
+_warm = False
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) every kernel, once per process, on a throwaway
+    duel: the first real use must not stall a request under the lock."""
+    global _warm
+    if _warm:
+        return
+    _warm = True
+    d = ArrayDuel(64, mini_slots=4, max_rate=1)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    ids = np.arange(3, dtype=np.int64)
+    la = np.zeros(3, np.int64)
+    dep32 = np.arange(3, dtype=np.int32)
+    d.publish_keys(keys, [1, 1, 1], [0, 1, 2], None, True)
+    d.hits(keys, [2, 2, 2], [0, 1, 2], None)
+    d.first_announced(keys, [1, 1, 1])
+    for dep in (ids, dep32):                # the table's depth is int32, tests pass int64
+        d.hit_chain(keys, ids, la, dep, 0, None, 0, 0, 0, -1, 1)
+        d.deepest_announced(keys, ids, la, 0)
+        d.walk_publish(keys, ids, la, la, dep, 0, None)
+    par = np.full(3, -1, np.int32)
+    K.walk_up(par, la, 0, 1, np.empty(2, np.int64))
+    d._choose()
 
 
 def _words(key: bytes | None) -> tuple[int, int, int]:
@@ -111,6 +140,7 @@ class ArrayDuel:
         self._grow_heaps(min(4 * self.cap + 64, 1024) + self._reserve)
         self._ints = np.zeros(96, np.int64)
         self._chain = np.zeros(32, np.int64)
+        warm_up()
 
     # -- state read back ---------------------------------------------------------------------
     @property
