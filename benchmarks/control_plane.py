@@ -33,16 +33,18 @@ of the floor, a miss (which must also publish and evict) within 10x, and flat (m
 `--memory`: memory per cached block instead (target: at most 300 bytes at 10^5 and 10^6
 blocks). Each size runs in a fresh interpreter: tracemalloc is started before the cache is
 built, the cache is filled as above, and (traced bytes after - before) / N is reported, next
-to the same fill of a plain dict of the N keys (the least any prefix index holds), and the
-resident set's growth over the same fill ((RSS after - RSS before) / N: what the machine
-gives, allocator overhead included). `--repo` measures another checkout the same way (e.g. the
-commit before a change, in a git worktree), so before and after come from the same run.
+to the same fill of a plain dict of the N keys (the least any prefix index holds), and, in
+another fresh interpreter without tracemalloc, the resident set's growth over the same fill
+((RSS after - RSS before) / N: what the machine gives, allocator overhead included).
+`--repo` measures another checkout the same way (e.g. the commit before a change, in a git
+worktree), so before and after come from the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import random
 import sys
@@ -248,9 +250,33 @@ def measure(n_blocks: int, sample: int, repeats: int, seed: int,
 # ---------------------------------------------------------------------------- memory
 
 
+def rss_child(n_blocks: int, policy: str) -> dict:
+    """In a fresh interpreter, without tracemalloc (its own tables would count): resident
+    bytes per cached block of a filled cache."""
+    warm = make_cache(PROMPT_BLOCKS, policy)    # imports and one-time set-up, not per block
+    s = warm.open(prompt(0))
+    warm.mark_computed(s)
+    warm.close(s)
+    warm.shutdown()
+    del warm, s
+    gc.collect()
+    rss0 = psutil.Process(os.getpid()).memory_info().rss
+    cache = make_cache(n_blocks, policy)
+    n_prompts, rest = divmod(n_blocks, PROMPT_BLOCKS)
+    for i in range(n_prompts + (rest > 0)):
+        p = prompt(i) if i < n_prompts else prompt(i)[:rest * BLOCK]
+        s = cache.open(p)
+        cache.mark_computed(s)
+        cache.close(s)
+    gc.collect()
+    rss = psutil.Process(os.getpid()).memory_info().rss - rss0
+    assert cache.stats()["cached_blocks"] == n_blocks
+    return {"rss_bytes_per_block": round(rss / n_blocks, 1)}
+
+
 def memory_child(n_blocks: int, policy: str) -> dict:
-    """In a fresh interpreter: traced Python bytes and resident bytes per cached block of a
-    filled cache, and traced bytes of a plain dict holding the same keys."""
+    """In a fresh interpreter: traced Python bytes per cached block of a filled cache, and of
+    a plain dict holding the same keys."""
     import tracemalloc
 
     warm = make_cache(PROMPT_BLOCKS, policy)    # imports and one-time set-up, not per block
@@ -264,7 +290,6 @@ def memory_child(n_blocks: int, policy: str) -> dict:
     gc.disable()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    rss0 = psutil.Process(os.getpid()).memory_info().rss
     cache = make_cache(n_blocks, policy)
     n_prompts, rest = divmod(n_blocks, PROMPT_BLOCKS)
     for i in range(n_prompts + (rest > 0)):
@@ -274,7 +299,6 @@ def memory_child(n_blocks: int, policy: str) -> dict:
         cache.close(s)
     gc.collect()
     ours = tracemalloc.get_traced_memory()[0] - base
-    rss = psutil.Process(os.getpid()).memory_info().rss - rss0
     assert cache.stats()["cached_blocks"] == n_blocks
     cache.shutdown()
     del cache
@@ -284,12 +308,10 @@ def memory_child(n_blocks: int, policy: str) -> dict:
     plain_bytes = tracemalloc.get_traced_memory()[0] - base2
     return {"cached_blocks": n_blocks, "policy": policy,
             "bytes_per_block": round(ours / n_blocks, 1),
-            "rss_bytes_per_block": round(rss / n_blocks, 1),
             "dict_of_keys_bytes_per_block": round(plain_bytes / max(1, len(plain)), 1)}
 
 
 def memory(sizes: list[int], repo: str | None, out: str, policy: str = "adaptive") -> dict:
-    import json
     import subprocess
 
     rows = []
@@ -299,21 +321,22 @@ def memory(sizes: list[int], repo: str | None, out: str, policy: str = "adaptive
     for label, root in checkouts:
         for n in sizes:
             env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            proc = subprocess.run([sys.executable, __file__, "--memory-child", str(n),
-                                   "--policy", policy],
-                                  capture_output=True, text=True, env=env, cwd=root,
-                                  timeout=3600)
-            if proc.returncode != 0:
-                raise SystemExit(f"{label} ({root}), {n} blocks: {proc.stderr[-2000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row = {}
+            for mode in ("--memory-child", "--rss-child"):
+                proc = subprocess.run([sys.executable, __file__, mode, str(n), "--policy",
+                                       policy], capture_output=True, text=True, env=env,
+                                      cwd=root, timeout=3600)
+                if proc.returncode != 0:
+                    raise SystemExit(f"{label} ({root}), {n} blocks: {proc.stderr[-2000:]}")
+                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
             rows.append({"checkout": label, "path": root, **row,
                          "meets_300": row["bytes_per_block"] <= 300,
                          "rss_meets_300": row["rss_bytes_per_block"] <= 300})
     print_table(rows, ["checkout", "policy", "cached_blocks", "bytes_per_block",
                        "rss_bytes_per_block", "dict_of_keys_bytes_per_block", "meets_300",
                        "rss_meets_300"],
-                title="control plane: Python bytes per cached block (tracemalloc, fresh "
-                      "process, storage: none)")
+                title="control plane: bytes per cached block (tracemalloc, and RSS without it; "
+                      "fresh processes, storage: none)")
     payload = {"benchmark": "control_plane_memory", "rows": rows,
                "target_bytes_per_block": 300, "environment": environment()}
     write_json(out, payload)
@@ -337,13 +360,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repo", default=None,
                     help="with --memory: also measure this checkout (e.g. an older commit)")
     ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global _clock
     _clock = CLOCKS[args.clock]
     if args.memory_child:
-        import json
-
         print(json.dumps(memory_child(args.memory_child, args.policy)))
+        return {}
+    if args.rss_child:
+        print(json.dumps(rss_child(args.rss_child, args.policy)))
         return {}
     if args.memory:
         return memory(args.sizes or ([10**4, 10**5] if args.quick else [10**5, 10**6]),

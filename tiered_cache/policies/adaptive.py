@@ -244,44 +244,57 @@ class AdaptivePolicy(PriorityPolicy):
         an entry keyed as a spare copy on top (`victim` may re-key it) included, inserts b:
         always allowed (the eviction loop then asks `victim`).
 
-        NOTE: the common case, a chain leaving leaf by leaf from a single tier ranked by
-        recency, is written out here: b is the parent the last victim exposed, so it is no
-        fresh chain, and its priority is its last use. It does what `_prepare`, `_live_top`
-        and `_evicted` do for it (the ghost is read only if b goes)."""
+        NOTE: the common case, a chain leaving leaf by leaf from a single tier, is written
+        out here: b is the parent the last victim exposed, so it is no fresh chain (no walk,
+        no dead-tail rule) and no spare copy; it does what `_prepare`, `_live_top` and
+        `_evicted` do for it, reading its uses from the ghost once."""
         t = self.blocks
-        if b != self._exposed or self._m != 0.0 or self._rekey or self._old or \
-                not self._single or t.gen[b] != self._exposed_gen:
+        if b != self._exposed or self._rekey or not self._single or \
+                t.gen[b] != self._exposed_gen:
             return self._offer(b)
         self._calls += 1
         live = self._live
-        if t.hits[b] == 0 and b not in live:
+        hits = t.hits[b]
+        if hits == 0 and b not in live:
             self._exposed = NO_BLOCK        # (`_prepare`: the parent of a victim, not fresh)
-        p = float(t.last_access[b])
-        heap, pop = self._heap, heapq.heappop
-        while heap and live.get(heap[0][3]) != heap[0][2]:
-            pop(heap)
-        if heap:
-            top = heap[0]
+        key = t.key[b]
+        born = t.inserted_at[b]
+        prev = None
+        if key is not None:             # (entries are non-empty tuples: `or` asks the old one)
+            prev = self._ghost.get(key) or self._ghost_old.get(key)
+        if prev is None:                # self._uses(b), inlined
+            uses, first = hits + 1, born
+        elif prev[2] == born:
+            uses, first = prev[0] - prev[3] + hits, prev[1]
+        else:
+            uses, first = prev[0] + hits + 1, prev[1]
+        last = t.last_access[b]
+        p = float(last)
+        m = self._m
+        if m != 0.0 and uses > 1 and last > first:
+            c = m * self._turnover.lifetime * math.log2(uses)
+            cap = self._k * (last - first) / (uses - 1)
+            p += c if c < cap else cap
+        if self._old:
+            top = self._live_top()
+        else:
+            heap, pop = self._heap, heapq.heappop
+            while heap and live.get(heap[0][3]) != heap[0][2]:
+                pop(heap)
+            top = heap[0] if heap else None
+        if top is not None:
             d = -t.depth[b]
             if top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE:
                 self._push(b, p)
                 return False
-        # `_evicted(b)`, inlined (no heap to drain, nothing to re-key here)
+        # `_evicted(b, uses, first)`, inlined (nothing to re-key here)
         parent = t.parent[b]
         self._exposed = parent
         if parent != NO_BLOCK:
             self._exposed_gen = t.gen[parent]
-        key = t.key[b]
         if key is not None:
             ghost = self._ghost
-            hits, born = t.hits[b], t.inserted_at[b]
-            prev = ghost.get(key) or self._ghost_old.get(key)
-            if prev is None:                        # self._uses(b), inlined
-                ghost[key] = (hits + 1, born, born, hits)
-            elif prev[2] == born:
-                ghost[key] = (prev[0] - prev[3] + hits, prev[1], born, hits)
-            else:
-                ghost[key] = (prev[0] + hits + 1, prev[1], born, hits)
+            ghost[key] = (uses, first, born, hits)
             if len(ghost) >= self._ghost_half:
                 self._ghost_old, self._ghost = ghost, {}
         n = self._evictions + 1
@@ -289,6 +302,8 @@ class AdaptivePolicy(PriorityPolicy):
             self._turnover.evicted(self._now, n)
             n = 0
         self._evictions = n
+        if self._old:
+            self._drain()
         return True
 
     def _offer(self, b: int) -> bool:

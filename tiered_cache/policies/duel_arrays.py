@@ -12,7 +12,8 @@ history entry, its place in the history's order, its resident value and child co
 mini cache), an open-addressing hash table from key to column, and per mini cache a heap in two
 arrays. Rows and heaps grow by doubling, so memory follows what is held: at most
 `hist_limit` + k entries (as the reference) of 8 * (13 + 2k) bytes, and heaps of at most
-`4 * cap + 64` entries (the reference's bound) of 32 bytes plus `cap + 2` of scratch.
+`2 * cap + 64` live and stale entries (the reference sheds at twice that) of 32 bytes plus
+`cap + 8` of scratch.
 
 NOTE: keys must be 16 bytes (content keys are 128-bit): a key is two int64 words here.
 
@@ -137,7 +138,7 @@ class ArrayDuel:
         self._HF = np.zeros((k, 0))
         self._HI = np.zeros((k, 0, K.H_ROWS), np.int64)
         self._reserve = self.cap + 8           # set-aside scratch, and slack
-        self._grow_heaps(min(4 * self.cap + 64, 1024) + self._reserve)
+        self._grow_heaps(min(2 * self.cap + 64, 1024) + self._reserve)
         self._ints = np.zeros(96, np.int64)
         self._chain = np.zeros(32, np.int64)
         warm_up()
