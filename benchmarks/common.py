@@ -19,6 +19,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results"
+if str(REPO) not in sys.path:
+    # NOTE: the reference daemon (tests/daemon_reference.py) is not in the wheel: benchmarks
+    # that run it import `tests.daemon_reference` from the repository.
+    sys.path.insert(0, str(REPO))
 
 
 def time_it(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5,

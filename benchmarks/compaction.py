@@ -437,9 +437,9 @@ def stop_the_world(cache: TieredKVCache) -> tuple[int, float]:
             hi = alloc.highest_used_below(hi)
         cache.executor.run([Transfer(b, GPU, s, GPU, d) for b, s, d in zip(blocks, src, dst)])
         for b, d in zip(blocks, dst):
-            idx.reserve_at(GPU, d)
-            idx.remap(b, GPU, d)
-            idx.unreserve(GPU)
+            idx.space.reserve_at(GPU, d)
+            idx.copies.remap(b, GPU, d)
+            idx.space.unreserve(GPU)
         idx.count("compaction_moves", len(blocks))
         return len(blocks), time.perf_counter() - t0
 

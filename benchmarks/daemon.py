@@ -1,7 +1,7 @@
 """The node daemon end to end: lookups through its socket, copies out of and into its shared
 memory, publishes, and aggregate lookups/s of several client processes.
 
-A real node daemon (`python -m tiered_cache serve`, via `tiered_cache.daemon.testing.NodeProcess`)
+A real node daemon (`python -m tiered_cache serve`, via `tiered_cache.daemon.process.NodeProcess`)
 runs in a subprocess with one partition: 8 layers, 8 KV heads, head_dim 128, 16-token blocks,
 float16 (512 KiB blocks: the 70B geometry with 8 layers instead of 80). An engine
 (`TieredKVCache` with `tiers.daemon`, CPU "GPU" tier) computes a prefix of 128 blocks (the
@@ -63,11 +63,11 @@ sys.path.insert(0, str(REPO))
 from common import default_out, environment, gbps, print_table, quantile, write_json  # noqa: E402
 
 from tiered_cache import kernels  # noqa: E402
-from tiered_cache.daemon.client import Client, Heartbeat  # noqa: E402
-from tiered_cache.daemon.ops import make_protocol  # noqa: E402
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool  # noqa: E402
-from tiered_cache.daemon.testing import NodeProcess  # noqa: E402
+from tiered_cache.daemon.process import NodeProcess  # noqa: E402
 from tiered_cache.hashing import xxh3_128  # noqa: E402
+from tiered_cache.wire.client import Client, Heartbeat  # noqa: E402
+from tiered_cache.wire.ops import make_protocol  # noqa: E402
+from tiered_cache.wire.shm import PoolGeometry, SharedPool  # noqa: E402
 
 TARGET = 0.9
 MODEL = {"name": "bench", "num_layers": 8, "num_kv_heads": 8, "head_dim": 128,
@@ -387,8 +387,8 @@ def publishes(raw: RawClient, n: int, repeats: int, warmup: int,
 WORKER = """
     import sys, time
     import numpy as np
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.ops import make_protocol
+    from tiered_cache.wire.client import Client
+    from tiered_cache.wire.ops import make_protocol
     path, want, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     tokens = np.frombuffer(bytes.fromhex(sys.argv[4]), dtype="<i4")
     c = Client(path, make_protocol(), timeout_s=30.0).connect()

@@ -39,7 +39,7 @@ from common import default_out, environment, gbps, print_table, quantile, write_
 from daemon import BLOCK_BYTES, BS, MODEL, RawClient, populate  # noqa: E402
 
 from tests import redis_servers as rs  # noqa: E402
-from tiered_cache.daemon.testing import NodeProcess  # noqa: E402
+from tiered_cache.daemon.process import NodeProcess  # noqa: E402
 
 CLOCK = time.perf_counter
 

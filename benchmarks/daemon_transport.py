@@ -1,6 +1,6 @@
 """Daemon transport: request round trips, shared-pool copy bandwidth, aggregate requests/s.
 
-A reference daemon (`tiered_cache.daemon.testing`, the foundations without the KV index) runs
+A reference daemon (`tests/daemon_reference.py`, the wire layer without the KV index) runs
 in a subprocess; everything is measured against a baseline taken in the same run:
 
 - rtt: p50/p99 of a no-op request (`ping`) through the Unix socket, next to a direct
@@ -31,12 +31,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import default_out, environment, gbps, print_table, quantile, write_json  # noqa: E402
+from common import REPO, default_out, environment, gbps, print_table, quantile, write_json  # noqa: E402,I001
 
-from tiered_cache.daemon.client import Client  # noqa: E402
-from tiered_cache.daemon.peer import Peer  # noqa: E402
-from tiered_cache.daemon.protocol import Request  # noqa: E402
-from tiered_cache.daemon.testing import ReferenceService, ServerProcess, make_protocol  # noqa: E402
+from tiered_cache.wire.client import Client  # noqa: E402
+from tiered_cache.wire.peer import Peer  # noqa: E402
+from tiered_cache.wire.protocol import Request  # noqa: E402
+from tests.daemon_reference import ReferenceService, ServerProcess, make_protocol  # noqa: E402
 
 TARGET = 0.9
 # One block of a 70B model (80 layers, 8 KV heads, head_dim 128, bf16, 16 tokens): 5 MiB.
@@ -88,7 +88,7 @@ def rtt(path: str, n: int) -> list[dict]:
 def copy_bandwidth(path: str, slots: int, repeats: int) -> list[dict]:
     import torch
 
-    from tiered_cache.daemon.shm import PoolGeometry, SharedPool
+    from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
     with Client(path, make_protocol()) as c:
         reply = c.request("attach", {"writable": True})
@@ -123,8 +123,8 @@ def copy_bandwidth(path: str, slots: int, repeats: int) -> list[dict]:
 
 PINGER = """
     import sys, time
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.testing import make_protocol
+    from tiered_cache.wire.client import Client
+    from tests.daemon_reference import make_protocol
     c = Client(sys.argv[1], make_protocol()).connect()
     n = int(sys.argv[2])
     for _ in range(200):
@@ -143,7 +143,8 @@ def throughput(path: str, counts: list[int], n: int, rounds: int) -> list[dict]:
     """Aggregate requests/s of k client processes at once, for each k in `counts`: the best of
     `rounds` runs, the rounds interleaved across the k's (one pool of processes, reused)."""
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(PINGER), path, str(n)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
              for _ in range(max(counts))]
     runs: dict[int, list[tuple[float, float]]] = {k: [] for k in counts}
     try:

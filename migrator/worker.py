@@ -37,9 +37,11 @@ from tiered_cache.migrator.health import ThreadHealth
 
 from tiered_cache.config import MigratorConfig
 from tiered_cache.core import moves
-from tiered_cache.core.index import DEVICE, BlockIndex
+from tiered_cache.core.index import BlockIndex
 from tiered_cache.core.readiness import LayerReadiness
+from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
+from tiered_cache.errors import CapacityError, TierUnavailableError, TransferError
 
 log = logging.getLogger("tiered_cache.migrator")
 FaultHook = Callable[[str, int], None]
@@ -81,8 +83,8 @@ class Migrator:
         self._lowering = [False] * len(index.tiers)
         self._paused = [0.0] * len(index.tiers)     # demotion out of tier i waits until then
         self._copies: dict[tuple[int, int], list] = {}      # (src, dst) -> [blocks, seconds]
-        kinds = getattr(executor, "kinds", [])
-        self._whole_sources = {i for i, k in enumerate(kinds) if k not in ("gpu", "host")}
+        self._whole_sources = {t.index for t in [*index.tiers, *index.keyed.tiers]
+                               if t.whole_records}
         for src in range(len(index.tiers) - 1):
             name = "tc-demoter" if src == 0 else f"tc-demoter-{index.tiers[src].name}"
             self._threads.append(threading.Thread(target=self._watch, args=(src,), name=name,
@@ -121,7 +123,7 @@ class Migrator:
     def copy_stats(self) -> dict[str, dict[str, float]]:
         """Per tier pair ("gpu->host", ...): blocks, bytes and seconds spent copying them (on
         the copy threads, retries and device syncs included): the data path's own rate."""
-        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed]
+        names = [t.name for t in self.index.tiers] + [k.name for k in self.index.keyed.tiers]
         bb = self.index.block_bytes
         with self._idle:
             return {f"{names[s]}->{names[d]}": {"blocks": n, "bytes": n * bb, "seconds": sec}
@@ -227,7 +229,7 @@ class Migrator:
         idx = self.index
         plan = [t for job in jobs for t in job.plan]
         # Records on disk are first read, whole and verified, into host staging slots; then
-        # every block is copied to the device layer by layer (core/slots.py, _plan_promotion).
+        # every block is copied to the device layer by layer (core/tree.py, _plan_promotion).
         # NOTE: a copy out of a record source (disk, a store, the node daemon) moves whole
         # verified blocks: it runs first, once, and only memory-to-memory copies go layer by
         # layer.
@@ -283,22 +285,19 @@ class Migrator:
 
     def _copy_down(self, job: _Job, stream) -> None:
         """A write-through copy job."""
-        error: BaseException | None = None
-        try:
-            error = self._attempt(job.kind, partial(self.executor.run, job.plan), stream)
+
+        def attempt(plan: list[Transfer]) -> BaseException | None:
+            error = self._attempt(job.kind, partial(self.executor.run, plan), stream)
             self._sync(stream)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            moves.commit_copy_down(self.index, job.plan, error is None)
-        if error is None:
+            return error
+
+        if _write_through(self.index, job.plan, attempt):
             self.put_remote([t.block for t in job.plan])
 
     def put_remote(self, blocks: list[int]) -> None:
         """Blocks that now have a host copy go to the keyed tiers written on_host."""
         for k in self.put_tiers:
-            plan = self.index.plan_puts(blocks, k)
+            plan = self.index.keyed.plan_puts(blocks, k)
             if plan:
                 self._submit(_Job(2, next(self._order), "put", plan, tier=k))
 
@@ -310,7 +309,7 @@ class Migrator:
             error = exc
             raise
         finally:
-            self.index.commit_puts(job.plan, job.tier, error is None)
+            self.index.keyed.commit_puts(job.plan, job.tier, error is None)
 
     def _watch(self, src: int) -> None:
         """Demote tier `src` above the high watermark down to the low one, batch by batch,
@@ -418,17 +417,17 @@ class Migrator:
         tiers = [t.index for t in idx.tiers if t.persistent]
         while not self._stop.wait(0.01):
             for t in tiers:
-                slots = idx.take_erasures(t)
+                slots = idx.space.take_erasures(t)
                 if not slots:
                     continue
                 try:
                     self.executor.pools[t].erase(slots)
                 except Exception:
                     self.health.record(log, f"erasing {len(slots)} record(s) of tier {t}")
-                    idx.erased(t, slots, ok=False)
+                    idx.space.erased(t, slots, ok=False)
                     time.sleep(0.05)
                 else:
-                    idx.erased(t, slots)
+                    idx.space.erased(t, slots)
 
     def _attempt(self, kind: str, copy: Callable[[], None], stream) -> Exception | None:
         """Run a copy with retries; returns the last error, or None on success."""
@@ -481,6 +480,72 @@ class Migrator:
             stream.synchronize()
 
 
+def promote(index: BlockIndex, executor, migrator: Migrator | None, plan: list[Transfer],
+            readiness: LayerReadiness) -> None:
+    """Called by `BlockIndex.open` (lock held): hand a promotion to the migrator, or, with no
+    migrator running, make it now. A failed copy made now is committed as failed and raises
+    TransferError."""
+    if migrator is not None and not migrator.stopped:
+        migrator.promote(plan, readiness)
+        return
+    try:
+        executor.run(plan)
+    except TransferError as exc:
+        index.count("transfer_failures")
+        index.commit_promotion(plan, False)
+        readiness.fail(exc)
+        raise
+    index.commit_promotion(plan, True)
+    for layer in range(index.num_layers):
+        readiness.layer_done(layer)
+
+
+def copy_down(index: BlockIndex, executor, migrator: Migrator | None,
+              blocks: list[int]) -> None:
+    """`write_through`: a copy of just-published blocks in the tier below the device, so that
+    evicting them later costs no copy. The migrator's job when it runs; made now otherwise
+    (`migrator.enabled: false`, or stopped), by the same plan and commit (`_write_through`)
+    on the calling thread, without retries."""
+    if not (blocks and index.write_through and len(index.tiers) > 1):
+        return
+    if migrator is not None and not migrator.stopped:
+        migrator.copy_down(blocks)
+        return
+    try:
+        plan = moves.plan_copy_down(index, blocks, DEVICE, DEVICE + 1)
+    except CapacityError:
+        # NOTE: the write this copy follows has already committed: a copy that finds no room
+        # below is skipped (the blocks just have no lower copy), never an error.
+        return
+
+    def attempt(plan: list[Transfer]) -> BaseException | None:
+        try:
+            executor.run(plan)
+            return None
+        except TransferError as exc:
+            index.count("transfer_failures")     # the block just has no lower copy
+            return exc
+
+    _write_through(index, plan, attempt)
+
+
+def _write_through(index: BlockIndex, plan: list[Transfer],
+                   attempt: Callable[[list[Transfer]], BaseException | None]) -> bool:
+    """Copy a planned write-through plan (`attempt` returns its error, or None) and commit it,
+    whatever happens: the copies land, or their reserved slots are freed. True if it landed."""
+    if not plan:
+        return False
+    error: BaseException | None = None
+    try:
+        error = attempt(plan)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        moves.commit_copy_down(index, plan, error is None)
+    return error is None
+
+
 _PAUSE_S = 10.0
 """How long demotion into a tier waits after the tier reported itself full or failing."""
 
@@ -490,8 +555,6 @@ _RETRY_PAUSE_S = 0.2
 
 def _unavailable(error: BaseException | None) -> bool:
     """The copy failed because the destination tier cannot take data (a full disk)."""
-    from tiered_cache.errors import TierUnavailableError
-
     while error is not None:
         if isinstance(error, TierUnavailableError):
             return True

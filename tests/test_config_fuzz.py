@@ -13,7 +13,6 @@ Fast by default (a few seconds); set TIERED_CACHE_FUZZ_EXAMPLES=20000 for a long
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pickle
 from typing import Any
@@ -92,8 +91,8 @@ scalars = st.one_of(
 )
 
 # Real key names at every level: most examples reach the value checks of a real key.
-KEYS = sorted({f.name for cls in (CacheConfig, *CacheConfig._NESTED.values())
-               for f in dataclasses.fields(cls)} | {"gpu", "host"})
+KEYS = sorted({name for cls in (CacheConfig, *CacheConfig._NESTED.values())
+               for name in cls._keys()} | {"gpu", "host"})
 keys = st.one_of(st.sampled_from(KEYS), st.text(max_size=6), st.integers(), st.none(),
                  st.booleans(), st.sampled_from([BigInt(10**5000), "x" * 10_000, "pol\ncy", 1.5]))
 
@@ -142,13 +141,14 @@ def _section(cls: type, path: str) -> st.SearchStrategy:
     """A mapping for one section: any subset of its keys, each good, junk or a nested section,
     now and then a junk key or a non-mapping in its place."""
     optional: dict[str, st.SearchStrategy] = {}
-    for f in dataclasses.fields(cls):
-        sub = f"{path}.{f.name}" if path else f.name
-        if f.name in getattr(cls, "_NESTED", {}):
-            value = _section(cls._NESTED[f.name], sub)
+    nested = cls._nested_types()          # (tiers: one section per registered tier kind)
+    for name in cls._keys():
+        sub = f"{path}.{name}" if path else name
+        if name in nested:
+            value = _section(nested[name], sub)
         else:
             value = _good(sub)
-        optional[f.name] = st.one_of(value, value, value, junk)
+        optional[name] = st.one_of(value, value, value, junk)
     mapping = st.fixed_dictionaries({}, optional=optional)
     with_junk_key = st.builds(lambda m, k, v: {**m, k: v}, mapping, keys, junk)
     return st.one_of(mapping, mapping, mapping, mapping, mapping, with_junk_key, st.none(), junk)
@@ -193,9 +193,9 @@ def test_from_dict_with_junk_top_level(data):
 
 def _leaves(cls: type, path: str = "") -> list[str]:
     out = []
-    for f in dataclasses.fields(cls):
-        sub = f"{path}.{f.name}" if path else f.name
-        nested_cls = getattr(cls, "_NESTED", {}).get(f.name)
+    for name in cls._keys():
+        sub = f"{path}.{name}" if path else name
+        nested_cls = cls._nested_types().get(name)
         out.extend(_leaves(nested_cls, sub) if nested_cls else [sub])
     return out
 

@@ -19,12 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from tiered_cache.daemon.client import Client, Heartbeat
-from tiered_cache.daemon.errors import LeaseExpiredError
+from tests.daemon_reference import ServerProcess, make_protocol
 from tiered_cache.daemon.leases import LeaseTable
-from tiered_cache.daemon.testing import ServerProcess, make_protocol
+from tiered_cache.wire.client import Client, Heartbeat
+from tiered_cache.wire.errors import LeaseExpiredError
 
 PROTO = make_protocol()
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 
 def wait_for(cond, what: str, timeout: float = 60.0) -> None:
@@ -159,8 +162,8 @@ def test_an_earlier_expiry_wakes_a_sleeping_reaper():
 
 CHILD = """
     import os, sys, threading
-    from tiered_cache.daemon.client import Client, Heartbeat
-    from tiered_cache.daemon.testing import make_protocol
+    from tiered_cache.wire.client import Client, Heartbeat
+    from tests.daemon_reference import make_protocol
     c = Client(sys.argv[1], make_protocol()).connect()
     lease = c.call("hello")["lease_s"]
     lost = threading.Event()
@@ -184,7 +187,7 @@ def daemon():
 
 
 def spawn_child(path: str) -> tuple[subprocess.Popen, int]:
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), path],
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), path], cwd=ROOT,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return child, int(read_line(child))
 

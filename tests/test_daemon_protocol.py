@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import (
+from tests.daemon_reference import ECHO_FIELDS, ServerProcess, make_protocol
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import (
     DaemonError,
     FrameTooLargeError,
     LeaseExpiredError,
@@ -31,8 +32,8 @@ from tiered_cache.daemon.errors import (
     VersionError,
     from_wire,
 )
-from tiered_cache.daemon.framing import FrameBuffer, TruncatedFrame
-from tiered_cache.daemon.protocol import (
+from tiered_cache.wire.framing import FrameBuffer, TruncatedFrame
+from tiered_cache.wire.protocol import (
     HEADER,
     VERSION,
     Bytes,
@@ -47,7 +48,6 @@ from tiered_cache.daemon.protocol import (
     key,
     unpack,
 )
-from tiered_cache.daemon.testing import ECHO_FIELDS, ServerProcess, make_protocol
 
 MAX_FRAME = 4096            # the fuzzed daemon's limit: small, so oversized frames are cheap
 PROTO = make_protocol(MAX_FRAME)
@@ -552,7 +552,7 @@ def test_header_struct_is_big_endian():
 
 
 def test_maps_of_fields_pack_and_check():
-    from tiered_cache.daemon.protocol import MapOf, pack_fields
+    from tiered_cache.wire.protocol import MapOf, pack_fields
     counts = MapOf(Int(0, 10), max_len=2)
     assert counts.pack({"a": np.int64(3)}, "c") == {"a": 3}
     with pytest.raises(SchemaError, match="3 entries"):

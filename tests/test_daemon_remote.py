@@ -22,9 +22,9 @@ import pytest
 
 import tests.redis_servers as rs
 from tests.oracles import wait_for as _wait_for
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.ops import make_protocol
-from tiered_cache.daemon.testing import NodeProcess
+from tiered_cache.daemon.process import NodeProcess
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.ops import make_protocol
 
 rs.require()
 HERE = Path(__file__).parent

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import LeaseExpiredError
-from tiered_cache.daemon.ops import make_protocol
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-from tiered_cache.daemon.testing import NodeProcess
+from tiered_cache.daemon.process import NodeProcess
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import LeaseExpiredError
+from tiered_cache.wire.ops import make_protocol
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 HERE = Path(__file__).parent
 ENGINE = str(HERE / "daemon_engine.py")
@@ -123,8 +123,8 @@ def test_salts_separate_prefixes_within_a_tenant(node):
 HOLDER = textwrap.dedent("""
     import json, sys, time
     import numpy as np
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.ops import make_protocol
+    from tiered_cache.wire.client import Client
+    from tiered_cache.wire.ops import make_protocol
     sock, first, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     c = Client(sock, make_protocol(), timeout_s=10).connect()
     c.call("hello")
@@ -331,9 +331,9 @@ def test_two_tenants_cannot_reach_each_others_blocks(tmp_path):
             import numpy as np, torch
             import daemon_engine as e
             from tiered_cache import TieredKVCache
-            from tiered_cache.daemon.client import Client
-            from tiered_cache.daemon.ops import make_protocol
-            from tiered_cache.daemon.shm import PoolGeometry, SharedPool
+            from tiered_cache.wire.client import Client
+            from tiered_cache.wire.ops import make_protocol
+            from tiered_cache.wire.shm import PoolGeometry, SharedPool
             from tiered_cache.hashing import BlockHasher, Namespace
             out = {{}}
             with TieredKVCache(e.config({sock!r})) as c:

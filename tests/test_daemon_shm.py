@@ -19,13 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.shm import PAGE, PoolGeometry, SharedPool
-from tiered_cache.daemon.testing import ServerProcess, make_protocol
+from tests.daemon_reference import ServerProcess, make_protocol
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.shm import PAGE, PoolGeometry, SharedPool
 
 PROTO = make_protocol()
 GEOMETRY = PoolGeometry(8, 2, 16, 2, 64, "bfloat16")         # 16 KiB slots: 4 pages each
 POOL_ARG = "8,2,16,2,64,bfloat16"
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 
 def shm_names() -> set[str]:
@@ -95,7 +98,7 @@ def test_the_memfd_is_0600_sealed_nameless_and_close_on_exec():
         seals = fcntl.fcntl(pool.fd, fcntl.F_GET_SEALS)
         want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
         assert seals & want == want
-        assert os.readlink(f"/proc/self/fd/{pool.fd}").startswith("/memfd:tiered-cache-host")
+        assert os.readlink(f"/proc/self/fd/{pool.fd}").startswith("/memfd:tiered-cache-pool")
         assert shm_names() == before                # nothing in /dev/shm
         fd = pool.client_fd()
         try:
@@ -151,9 +154,9 @@ def test_cuda_registered_pool_copies_to_and_from_the_gpu():
 
 CHILD = """
     import sys, torch
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-    from tiered_cache.daemon.testing import make_protocol
+    from tiered_cache.wire.client import Client
+    from tiered_cache.wire.shm import PoolGeometry, SharedPool
+    from tests.daemon_reference import make_protocol
     with Client(sys.argv[1], make_protocol()) as c:
         reply = c.request("attach", {"writable": True})
         pool = SharedPool.attach(reply.fds[0], PoolGeometry.from_fields(reply.fields))
@@ -182,7 +185,7 @@ def test_two_processes_see_each_others_writes_byte_for_byte(daemon):
     assert pool.kv.shape == g.shape and pool.kv.is_contiguous()
     pool.kv[0:4].copy_(pattern(1, 4).view(g.torch_dtype).view(4, *g.slot_shape))
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD), daemon.socket_path],
-                             stdout=subprocess.PIPE, text=True)
+                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert read_line(child) == "same"
         assert read_line(child) == "written"

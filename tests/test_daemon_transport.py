@@ -20,8 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import (
+from tests.daemon_reference import ServerProcess, make_protocol
+from tiered_cache.errors import ConfigError, TierUnavailableError
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import (
     DaemonRunningError,
     DaemonTimeoutError,
     DaemonUnavailableError,
@@ -30,14 +32,15 @@ from tiered_cache.daemon.errors import (
     SchemaError,
     UnauthorizedError,
 )
-from tiered_cache.daemon.peer import Allowlist, Peer
-from tiered_cache.daemon.protocol import Op, Protocol, Str
-from tiered_cache.daemon.testing import ServerProcess, make_protocol
-from tiered_cache.daemon.transport import Server, ServerConfig
-from tiered_cache.errors import ConfigError, TierUnavailableError
+from tiered_cache.wire.peer import Allowlist, Peer
+from tiered_cache.wire.protocol import Op, Protocol, Str
+from tiered_cache.wire.transport import Server, ServerConfig
 
 PROTO = make_protocol()
 NOT_US = 12345 if os.getuid() != 12345 else 12346
+
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 
 @pytest.fixture
@@ -78,7 +81,7 @@ def wait_for(cond, what: str, timeout: float = 60.0) -> None:
 
 
 def spawn(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args],
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], cwd=ROOT,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -90,8 +93,8 @@ def read_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
 
 CHILD_CLIENT = """
     import os, sys
-    from tiered_cache.daemon.client import Client
-    from tiered_cache.daemon.testing import make_protocol
+    from tiered_cache.wire.client import Client
+    from tests.daemon_reference import make_protocol
     c = Client(sys.argv[1], make_protocol()).connect()
     print(os.getpid(), c.client_id, c.welcome["pid"], flush=True)
     sys.stdin.readline()
@@ -152,9 +155,9 @@ def test_another_user_cannot_even_reach_the_socket(shared):
     # all, before the allowlist is consulted.
     code = """
         import os, sys
-        from tiered_cache.daemon.client import Client
-        from tiered_cache.daemon.errors import DaemonUnavailableError
-        from tiered_cache.daemon.testing import make_protocol
+        from tiered_cache.wire.client import Client
+        from tiered_cache.wire.errors import DaemonUnavailableError
+        from tests.daemon_reference import make_protocol
         os.setgroups([]); os.setgid(int(sys.argv[2])); os.setuid(int(sys.argv[2]))
         try:
             Client(sys.argv[1], make_protocol()).connect()
@@ -250,8 +253,8 @@ def test_many_threads_share_one_client(shared):
 def test_many_client_processes_at_once(shared):
     code = """
         import sys
-        from tiered_cache.daemon.client import Client
-        from tiered_cache.daemon.testing import make_protocol
+        from tiered_cache.wire.client import Client
+        from tests.daemon_reference import make_protocol
         with Client(sys.argv[1], make_protocol()) as c:
             for i in range(100):
                 assert c.call("echo", n=i, s=sys.argv[2])["s"] == sys.argv[2]
@@ -359,7 +362,7 @@ def test_sigterm_finishes_requests_in_flight_then_stops(daemon):
 
 
 def test_a_client_of_another_version_is_told_at_connect(sockdir):
-    from tiered_cache.daemon.errors import VersionError
+    from tiered_cache.wire.errors import VersionError
     with in_process_server(sockdir / "d.sock") as server:
         newer = Protocol([Op("ping")], version=server.protocol.version + 1)
         with pytest.raises(VersionError, match="this client speaks version"):

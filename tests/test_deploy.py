@@ -29,10 +29,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tiered_cache.config import CacheConfig, DaemonConfig
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import DaemonError
-from tiered_cache.daemon.ops import make_protocol
-from tiered_cache.daemon.testing import NodeProcess
+from tiered_cache.daemon.process import NodeProcess
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import DaemonError
+from tiered_cache.wire.ops import make_protocol
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana-dashboard.json"

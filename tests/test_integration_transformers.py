@@ -242,7 +242,7 @@ def test_chunked_prefill_matches_one_forward(model, caches, chunk):
     past.close()
     # A longer prompt with the same start: prefill declares the extra tokens itself.
     longer = torch.cat([ids, prompt(50, 16)], 1)
-    past = TieredCache(cache, ids[:, :200])       # unbound: prefill must declare the rest
+    past = TieredCache(cache, ids[:, :200], model=model)   # prefill declares the rest
     logits = prefill(model, past, longer, chunk_size=chunk)
     with torch.no_grad():
         ref = model(longer, cache=DynamicCache(config=model.config)).logits[:, -1]
@@ -269,19 +269,18 @@ def test_generate_with_prefill_chunk_size(model, caches):
     past.close()
 
 
-# ------------------------------------------------------------------------------- unbound use
+# ------------------------------------------------------------------------------- declared tokens
 
-def test_unbound_cache_keeps_generated_kv_until_ids_are_declared(model, caches):
+def test_generated_tokens_are_declared_and_published(model, caches):
     caches.append(cache := make_cache())
     ids = prompt(100, 19)
-    past = TieredCache(cache, ids)                  # no model: generated ids unknown
+    past = TieredCache(cache, ids, model=model)
     out = model.generate(ids, cache=past, **GEN)
     assert_same(out, reference(model, ids))
-    assert past.num_tokens == 100
-    assert past.get_seq_length() == 100 + NEW - 1   # the tail holds the decode tokens' KV
-    past.close(out.sequences)                       # declares them; their blocks publish
+    assert past.num_tokens == past.get_seq_length() == 100 + NEW - 1
+    past.close()
     nxt = torch.cat([out.sequences, prompt(20, 20)], 1)
-    past = TieredCache(cache, nxt)
+    past = TieredCache(cache, nxt, model=model)
     assert past.num_cached_tokens == (100 + NEW - 1) // BS * BS
     past.close()
 
@@ -289,7 +288,7 @@ def test_unbound_cache_keeps_generated_kv_until_ids_are_declared(model, caches):
 def test_append_tokens_then_forward(model, caches):
     caches.append(cache := make_cache())
     ids = prompt(70, 21)
-    past = TieredCache(cache, ids[:, :40])
+    past = TieredCache(cache, ids[:, :40], model=model)
     prefill(model, past)
     past.append_tokens(ids[0, 40:])                 # the next turn, declared up front
     assert past.uncached_input_ids().tolist() == ids[:, 40:].tolist()
@@ -306,9 +305,9 @@ def test_close_keeps_blocks_and_removes_the_hook(model, caches):
     caches.append(cache := make_cache())
     ids = prompt(64, 22)
     with TieredCache(cache, ids, model=model) as past:
-        assert len(model._forward_pre_hooks) == 1
+        assert len(model._forward_pre_hooks) == len(model._forward_hooks) == 1
         prefill(model, past)
-    assert past.closed and len(model._forward_pre_hooks) == 0
+    assert past.closed and len(model._forward_pre_hooks) == len(model._forward_hooks) == 0
     assert cache.stats()["open_sequences"] == 0
     assert cache.stats()["cached_blocks"] == 4
     past.close()                                    # idempotent
@@ -333,7 +332,7 @@ def test_two_bound_caches_on_one_model_do_not_interfere(model, caches):
 def test_batch_and_beam_search_are_rejected(model, caches):
     caches.append(cache := make_cache())
     with pytest.raises(ValueError, match="batch size 1"):
-        TieredCache(cache, prompt(20, 25).repeat(2, 1))
+        TieredCache(cache, prompt(20, 25).repeat(2, 1), model=model)
     ids = prompt(20, 26)
     past = TieredCache(cache, ids, model=model)
     with pytest.raises((ValueError, NotImplementedError), match="batch size 1"):
@@ -341,17 +340,17 @@ def test_batch_and_beam_search_are_rejected(model, caches):
     past.close()
 
 
-def test_bad_arguments(caches):
+def test_bad_arguments(model, caches):
     caches.append(cache := make_cache())
     with pytest.raises(TypeError):
-        TieredCache(object(), [1, 2, 3])
+        TieredCache(object(), [1, 2, 3], model=model)
     with pytest.raises(ValueError, match="empty"):
-        TieredCache(cache, [])
+        TieredCache(cache, [], model=model)
     fp8 = make_cache(model={"name": "fp8", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
                             "num_q_heads": 4, "dtype": "fp8_e4m3"})
     caches.append(fp8)
     with pytest.raises(NotImplementedError, match="fp8"):
-        TieredCache(fp8, [1, 2, 3])
+        TieredCache(fp8, [1, 2, 3], model=model)
     with pytest.raises(ValueError, match="chunk_size"):
         prefill(None, DynamicCache(), [1, 2], chunk_size=0)
 

@@ -1,4 +1,4 @@
-"""`BlockIndex.load_after`: the node daemon's load of blocks a remote store holds into a hold
+"""`BlockIndex.keyed.load_after`: the node daemon's load of blocks a remote store holds into a hold
 (`open_blocks`), on the control plane alone (no torch, no server): what it publishes, what
 it refuses, the cost model's veto, a failed load, and an interrupt at every line.
 
@@ -24,7 +24,7 @@ REMOTE = 0
 
 def make_index(slots: int = 16, worth=None) -> BlockIndex:
     hasher = BlockHasher(Namespace("tiny", "float32", LAYERS, 2, 8, BS, None))
-    return BlockIndex([TierSpec("host", "host", slots)],
+    return BlockIndex([TierSpec("host", "host", slots, stages_records=True)],
                       policy=lambda n, blocks: LRUPolicy(n, blocks=blocks, block_size=BS),
                       block_size=BS, num_layers=LAYERS, hasher=hasher, verify_tokens=True,
                       keyed=[TierSpec("remote", "remote", 0, staged=False, put_from=0)],
@@ -60,7 +60,7 @@ def test_loads_into_the_hold_and_later_holds_find_them():
     seq = idx.open_blocks(rid, root, tokens)
     assert seq.blocks == []
     promote = Promotions()
-    assert idx.load_after(seq, REMOTE, root, tokens, keys, promote) == 5
+    assert idx.keyed.load_after(seq, REMOTE, root, tokens, keys, promote) == 5
     assert len(idx.held_slots(seq)) == 5 and seq.num_cached_tokens == 5 * BS
     [(plan, _)] = promote.plans
     assert [t.meta.depth for t in plan] == list(range(5))
@@ -84,13 +84,13 @@ def test_continues_a_local_match_with_the_right_depths_and_parents():
     idx, root, rid, tokens, keys = setup(6)
     first = idx.open_blocks(rid, root, tokens[:2 * BS])
     promote = Promotions()
-    idx.load_after(first, REMOTE, root, tokens[:2 * BS], keys[:2], promote)
+    idx.keyed.load_after(first, REMOTE, root, tokens[:2 * BS], keys[:2], promote)
     promote.land(idx)
     idx.close(first)
     # Blocks 0-1 are local now; the hold after the root takes them and loads 2-5.
     seq = idx.open_blocks(rid, root, tokens)
     assert len(seq.blocks) == 2
-    n = idx.load_after(seq, REMOTE, root, tokens[2 * BS:], keys[2:], promote)
+    n = idx.keyed.load_after(seq, REMOTE, root, tokens[2 * BS:], keys[2:], promote)
     assert n == 4
     [(plan, _)] = promote.plans
     assert [t.meta.depth for t in plan] == [2, 3, 4, 5]
@@ -107,13 +107,13 @@ def test_refuses_keys_that_are_not_the_chain_of_their_tokens():
     idx, root, rid, tokens, keys = setup(4)
     keys[2] = b"\x00" * 16                          # another block's key
     seq = idx.open_blocks(rid, root, tokens)
-    assert idx.load_after(seq, REMOTE, root, tokens, keys, Promotions()) == 2
+    assert idx.keyed.load_after(seq, REMOTE, root, tokens, keys, Promotions()) == 2
     idx.close(seq)
     # A root of another tenant cannot be continued: its parent key is not in this root.
     other_root, other_id = idx.register_root(b"u")
     seq = idx.open_blocks(other_id, other_root, tokens)
     good = idx.hasher.chain(root, tokens)
-    assert idx.load_after(seq, REMOTE, good[0], tokens[BS:], good[1:], Promotions()) == 0
+    assert idx.keyed.load_after(seq, REMOTE, good[0], tokens[BS:], good[1:], Promotions()) == 0
     idx.close(seq)
     check_invariants(idx)
 
@@ -121,7 +121,7 @@ def test_refuses_keys_that_are_not_the_chain_of_their_tokens():
 def test_takes_only_what_the_pool_has_room_for():
     idx, root, rid, tokens, keys = setup(8, slots=3)
     seq = idx.open_blocks(rid, root, tokens)
-    assert idx.load_after(seq, REMOTE, root, tokens, keys,
+    assert idx.keyed.load_after(seq, REMOTE, root, tokens, keys,
                           Promotions()) == 3
     idx.close(seq)
     check_invariants(idx)
@@ -132,7 +132,7 @@ def test_the_cost_model_can_veto_the_load():
     idx, root, rid, tokens, keys = setup(
         3, worth=lambda tier, n, context: asked.append((tier, n, context)) or False)
     seq = idx.open_blocks(rid, root, tokens)
-    assert idx.load_after(seq, REMOTE, root, tokens, keys,
+    assert idx.keyed.load_after(seq, REMOTE, root, tokens, keys,
                           Promotions()) == 0
     assert asked == [(1, 3, 0)]                     # keyed tier 0 is tier 1 of the index
     assert idx.stats()["tiers"]["remote"]["skipped_loads"] == 1
@@ -145,7 +145,7 @@ def test_a_failed_load_leaves_nothing_published():
     idx, root, rid, tokens, keys = setup(3)
     seq = idx.open_blocks(rid, root, tokens)
     promote = Promotions()
-    idx.load_after(seq, REMOTE, root, tokens, keys, promote)
+    idx.keyed.load_after(seq, REMOTE, root, tokens, keys, promote)
     promote.land(idx, ok=False)
     assert idx.stats()["tiers"]["remote"]["load_failures"] == 3
     idx.close(seq)
@@ -162,7 +162,7 @@ def test_a_promote_that_raises_rolls_the_load_back():
         raise RuntimeError("the copy queue is gone")
 
     with pytest.raises(RuntimeError):
-        idx.load_after(seq, REMOTE, root, tokens, keys, boom)
+        idx.keyed.load_after(seq, REMOTE, root, tokens, keys, boom)
     idx.close(seq)
     check_invariants(idx)
     assert not any(idx.known(keys))
@@ -174,7 +174,7 @@ def _attempt(k: int | None):
     seq = idx.open_blocks(rid, root, tokens)
     promote = Promotions()
     inj = Injector(k)
-    n, interrupted = inj.run(lambda: idx.load_after(seq, REMOTE, root, tokens, keys, promote))
+    n, interrupted = inj.run(lambda: idx.keyed.load_after(seq, REMOTE, root, tokens, keys, promote))
     return idx, seq, promote, inj, n, interrupted, keys
 
 

@@ -12,6 +12,7 @@ from tests.test_migrator import BS, cache_prompt, check_data, fill, settle, stre
 from tests.test_migrator import make as make_on
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
+from tiered_cache.core.eviction import Space
 from tiered_cache.core.invariants import check_invariants
 from tiered_cache.errors import ArgumentError, CapacityError, TierUnavailableError
 
@@ -323,14 +324,15 @@ def test_a_large_shrink_evicts_in_bounded_rounds(monkeypatch):
         cache_prompt(cache, p)
     gpu = cache.tiers[0]
     rounds: list[int] = []
-    real = cache.index.evict
+    real = Space.evict
 
-    def counting(t, n, need=None):
+    def counting(space, t, n, need=None):
         before = gpu.evictions
-        real(t, n, need=need)
+        real(space, t, n, need=need)
         rounds.append(gpu.evictions - before)
 
-    monkeypatch.setattr(cache.index, "evict", counting)
+    # NOTE: on the class: the index's parts have no instance __dict__ (core/state.py).
+    monkeypatch.setattr(Space, "evict", counting)
     cache.resize("gpu", 4)
     check_invariants(cache)
     assert len(rounds) >= 7 and max(rounds) <= 8 and sum(rounds) == 56
@@ -344,7 +346,7 @@ def test_shrinking_the_device_tier_with_the_migrator_demotes_in_the_background(m
         cache_prompt(cache, p)
     settle(cache)
     with monkeypatch.context() as m:              # no eviction (and copy) under the lock
-        m.setattr(cache.index, "evict", lambda *a, **k: pytest.fail("synchronous eviction"))
+        m.setattr(Space, "evict", lambda *a, **k: pytest.fail("synchronous eviction"))
         cache.resize("gpu", 6, timeout=10.0)
     settle(cache)
     check_invariants(cache)

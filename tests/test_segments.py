@@ -84,14 +84,14 @@ def test_shrink_returns_memory_to_the_system():
     assert freed > 150 * mib, f"only {freed / mib:.0f} MiB of 224 MiB went back"
 
 
-@pytest.mark.parametrize("kind", ["gpu", "host"])
-def test_fp8_pools_resize_their_scales_with_new_slots_at_one(kind):
-    pool = make_pool(kind, 8, num_layers=2, block_size=4, num_kv_heads=1, head_dim=4,
+@pytest.mark.parametrize("layout", ["layer_major", "block_major"])
+def test_fp8_pools_resize_their_scales_with_new_slots_at_one(layout):
+    pool = make_pool(layout, 8, num_layers=2, block_size=4, num_kv_heads=1, head_dim=4,
                      dtype="fp8_e4m3", memory="pageable", segment_slots=4)
     assert pool.resizable and pool.num_slots == 8
     pool.scales.fill_(3.0)
     pool.resize(20)
-    dim = 2 if kind == "gpu" else 0
+    dim = 2 if layout == "layer_major" else 0
     assert pool.kv.shape[dim] == 20 and pool.scales.shape[dim] == 20
     low = pool.scales.narrow(dim, 0, 8)
     new = pool.scales.narrow(dim, 8, 12)
@@ -221,7 +221,7 @@ def test_pinned_segments_are_registered_as_whole_pages(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     # 384-byte blocks and 24 bytes of scales per block: neither divides a page
-    pool = make_pool("host", 16, num_layers=3, block_size=4, num_kv_heads=1, head_dim=4,
+    pool = make_pool("block_major", 16, num_layers=3, block_size=4, num_kv_heads=1, head_dim=4,
                      dtype="fp8_e4m3", memory="pinned", max_slots=4096, segment_slots=16)
     assert pool.memory == "pinned"
     pool.resize(600)

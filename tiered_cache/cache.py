@@ -14,7 +14,6 @@ land between an acquisition and its release; it is raised when the section ends.
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import threading
 import time
@@ -24,15 +23,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from tiered_cache import assembly, shared_tiers
-from tiered_cache.config import CacheConfig
-from tiered_cache.core import moves
+from tiered_cache.config import CacheConfig, check_identifier
 from tiered_cache.core import resize as resizing
 from tiered_cache.core.atomic import atomic, install, interrupt_pending
-from tiered_cache.core.index import DEVICE, BlockIndex
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.core.tier import TierSpec, TierState
+from tiered_cache.core.tier import DEVICE, TierState
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import (
     ArgumentError,
@@ -50,7 +46,8 @@ from tiered_cache.errors import (
     TransferError,
 )
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
-from tiered_cache.sizing import resolve_device, tier_num_blocks
+from tiered_cache.tiers.base import ENGINE
+from tiered_cache.tiers.stack import build_stack
 
 log = logging.getLogger("tiered_cache.cache")
 
@@ -80,7 +77,6 @@ class TieredKVCache:
         self.num_q_heads = config.num_q_heads
         self.head_dim = model.head_dim
         self.has_storage = config.storage == "tensors"
-        self.device = resolve_device(config.tiers.gpu.device) if self.has_storage else "cpu"
         self.block_bytes = config.block_bytes
         self.allow_non_finite = config.allow_non_finite_kv
         self.hasher = BlockHasher(
@@ -88,151 +84,34 @@ class TieredKVCache:
                       model.head_dim, self.block_size, config.adapter_id), hash_fn)
         self._closed = False
         self._resize_lock = threading.Lock()    # one resize at a time
-        self.migrator = self.compactor = None
-        specs, self.pools = self._build_tiers(config)
-        policy = assembly.policy_factory(config)
-        self.costs = self._cost_model(config, specs)
-        keyed_specs, self.stores = shared_tiers.build(self, config, specs)
-        self.index = BlockIndex(specs, policy=policy, block_size=self.block_size,
-                                num_layers=self.num_layers, hasher=self.hasher,
-                                block_bytes=self.block_bytes,
-                                verify_tokens=config.verify_tokens,
-                                share_inflight=config.share_inflight,
-                                write_through=config.write_policy == "write_through",
-                                run=self._run, on_pressure=self._poke,
-                                high_watermark=config.migrator.high_watermark,
-                                keyed=keyed_specs,
-                                worth=self._worth if self.costs is not None else None)
-        from tiered_cache.data.executor import Executor, NullExecutor
-
-        self.executor = (Executor(self.pools + self.stores,
-                                  [s.kind for s in specs + keyed_specs])
-                         if self.has_storage else NullExecutor())
-        if any(s.persistent for s in specs):
-            from tiered_cache.data import disk_tier
-
-            for (src, dst), handler in disk_tier.HANDLERS.items():
-                self.executor.register(src, dst, handler)
-            assembly.recover(self.index, self.pools)
-        if self.stores:
-            from tiered_cache.data import daemon_tier, remote_tier
-
-            for (src, dst), handler in (*remote_tier.HANDLERS.items(),
-                                        *daemon_tier.HANDLERS.items()):
-                self.executor.register(src, dst, handler)
-        from tiered_cache.migrator import Compactor, Migrator, ThreadHealth
-
-        self.health = ThreadHealth()
+        self.stack = stack = build_stack(config, ENGINE, hasher=self.hasher)
+        self.index, self.executor, self.costs = stack.index, stack.executor, stack.costs
+        self.pools, self.stores = stack.pools, stack.stores
+        self.migrator, self.compactor, self.health = (stack.migrator, stack.compactor,
+                                                      stack.health)
         self._metrics_server = None
-        if registry is None and config.metrics.http_port is not None:
-            from prometheus_client import CollectorRegistry
-            registry = CollectorRegistry()
-        self.registry = registry
-        if registry is not None:
-            from tiered_cache.metrics import CacheCollector
-            registry.register(CacheCollector(self.stats, self.index))
-        if config.metrics.http_port is not None:
-            from tiered_cache.metrics import serve_metrics
-            self._metrics_server = serve_metrics(
-                registry, config.metrics.http_port, config.metrics.http_addr)
-        # Background data plane: only meaningful when there is data to move.
-        if self.has_storage and config.migrator.enabled:
-            # Keyed tiers written as blocks get a copy in the tier they are put from.
-            puts = [k for k, keyed in enumerate(self.index.keyed)
-                    if keyed.put_from is not None]
-            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
-                                     put_tiers=puts, on_copy=self._observe)
-            if puts:
-                migrator = self.migrator
-                self.index.on_copied = lambda tier, blocks: (
-                    migrator.put_remote(blocks) if tier == 1 else None)
-        if config.tiers.daemon is not None:
-            self.stores[0].start(on_attach=functools.partial(
-                _attached, self.index, self.migrator if config.tiers.daemon.write ==
-                "on_compute" else None))
-        if self.has_storage and config.compactor.enabled:
-            self.compactor = Compactor(self.index, self.executor, config.compactor,
-                                       health=self.health)
-        if self.has_storage:
-            _warm_up(self.pools)        # first copies compile/import here, not under the lock
+        try:
+            if registry is None and config.metrics.http_port is not None:
+                from prometheus_client import CollectorRegistry
+                registry = CollectorRegistry()
+            self.registry = registry
+            if registry is not None:
+                from tiered_cache.metrics import CacheCollector
+                registry.register(CacheCollector(self.stats, self.index))
+            if config.metrics.http_port is not None:
+                from tiered_cache.metrics import serve_metrics
+                self._metrics_server = serve_metrics(
+                    registry, config.metrics.http_port, config.metrics.http_addr)
+            stack.start()                   # the keyed tiers' links; first copies compile here
+        except BaseException:
+            stack.stop_workers()
+            stack.close()
+            raise
         install()                       # defer SIGINT inside commit sections (main thread)
         if self.migrator or self.compactor:
             # Stop threads at interpreter exit even if the user never closes the cache.
             ref = weakref.ref(self)
             atexit.register(lambda: (c := ref()) is not None and c.shutdown())
-
-    def _build_tiers(self, config: CacheConfig) -> tuple[list[TierSpec], list]:
-        from tiered_cache.data.pools import make_pool
-
-        model = config.model
-        geometry = dict(num_layers=model.num_layers, block_size=self.block_size,
-                        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                        dtype=model.dtype)
-        specs, pools = [], []
-        for name in ("gpu", "host"):
-            n = tier_num_blocks(config, name)
-            if name == "host" and (n == 0 or config.tiers.daemon is not None):
-                # `num_blocks: 0`: a device-only cache. Attached to the node daemon, the
-                # daemon's shared host tier takes the place of this process's own.
-                continue
-            tcfg = getattr(config.tiers, name)
-            pool = None
-            if self.has_storage:
-                pool = make_pool(name, n, device=self.device, memory=config.tiers.host.memory,
-                                 max_slots=tcfg.max_num_blocks,
-                                 segment_slots=tcfg.segment_blocks,
-                                 resizable=getattr(tcfg, "resizable", False), **geometry)
-            specs.append(TierSpec(name, name, n))
-            pools.append(pool)
-        disk = config.tiers.disk
-        n = tier_num_blocks(config, "disk")
-        if disk is not None and n > 0:
-            specs.append(TierSpec("disk", "disk", n, persistent=self.has_storage,
-                                  sync_target=not self.has_storage,
-                                  admit_min_hits=disk.admit_min_hits))
-            pools.append(self._disk_pool(config, n, pools, specs) if self.has_storage else None)
-        return specs, pools
-
-    def _disk_pool(self, config: CacheConfig, n: int, pools: list, specs: list):
-        """The disk tier's pool (tensor storage): checks what it needs, opens its directory."""
-        from tiered_cache.data.disk_tier import DiskTier
-
-        disk = config.tiers.disk
-        if disk.path is None:
-            raise ConfigError("tiers.disk.path", "required with storage: tensors (the "
-                                                 "directory the tier's records live in)")
-        if len(specs) < 3 or specs[1].kind != "host":
-            raise ConfigError("tiers.disk", "needs a host tier above it (tiers.host with "
-                                            "num_blocks > 0): disk records are read through it")
-        if not config.migrator.enabled:
-            raise ConfigError("tiers.disk", "needs the migrator (migrator.enabled: true): only "
-                                            "its background threads write and read the disk")
-        host = pools[1]
-        return DiskTier(disk.path, n, host_kv=host.kv, host_scales=host.scales,
-                        num_tokens=self.block_size, namespace=self.hasher.namespace_digest(),
-                        o_direct=disk.o_direct, max_slots=disk.max_num_blocks)
-
-    def _cost_model(self, config: CacheConfig, specs: list[TierSpec]):
-        """Load-vs-recompute estimates (tiered_cache.costs), when the model's size is known
-        (`model.num_params`): without it there is no prefill cost to compare with."""
-        from tiered_cache import costs
-
-        return costs.from_config(config, [s.kind for s in specs]) if self.has_storage else None
-
-    def _observe(self, src: int, dst: int, blocks: int, seconds: float) -> None:
-        """A finished copy out of a slow slot tier (disk) feeds its cost estimates. (The remote
-        store feeds its own: each lookup's latency and each get's bandwidth.)"""
-        if self.costs is None or src >= len(self.index.tiers):
-            return
-        cost = self.costs.tiers.get(self.index.tiers[src].name)
-        if cost is not None and dst == 1:
-            cost.observe(blocks * self.block_bytes, seconds, blocks)
-
-    def _worth(self, tier: int, nblocks: int, context_blocks: int) -> bool:
-        """Whether loading `nblocks` from tier `tier` beats recomputing them (BlockIndex asks
-        for disk-only blocks; open() for keyed tiers)."""
-        return self.costs.worth_blocks(self.index.tier_name(tier), nblocks, context_blocks,
-                                       block_bytes=self.block_bytes, block_size=self.block_size)
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> TieredKVCache:
@@ -247,9 +126,7 @@ class TieredKVCache:
         if self._closed:
             return
         self._closed = True
-        for worker in (self.compactor, self.migrator):
-            if worker is not None:
-                worker.stop()
+        self.stack.stop_workers()
         # Writes and reads running outside the lock finish first.
         deadline = time.monotonic() + 30.0
         while any(s.writing or s.readers for s in self.index.open_sequences()) and \
@@ -259,10 +136,7 @@ class TieredKVCache:
             if seq.writing or seq.readers:      # still busy after 30 s: leave it open
                 continue
             self.index.close(seq)
-        assembly.close_persistent(self.index, self.pools)
-        for store in self.stores:
-            store.flush(5.0)
-            store.close()
+        self.stack.close()
         if self._metrics_server is not None:
             server, thread = self._metrics_server
             server.shutdown()
@@ -299,8 +173,7 @@ class TieredKVCache:
                     seq = self.index.open(tokens, salt=salt, adapter_id=adapter_id,
                                           reserve_last=reserve_last, promote=self._promote)
                     if self.stores and not interrupt_pending():
-                        shared_tiers.note_open(self, seq)
-                        shared_tiers.load(self, seq)
+                        self.stack.load_keyed(seq)
                 return seq
             except KeyboardInterrupt:
                 # NOTE: an interrupt deferred anywhere in the section (or landing after it)
@@ -369,7 +242,7 @@ class TieredKVCache:
                     pool = self.pools[DEVICE]
                     dev = pool.kv.device
                     pool.write_tokens(layer, flat, key.detach().to(dev), value.detach().to(dev))
-                    if idx.share_inflight and dev.type == "cuda":
+                    if idx.inflight.enabled and dev.type == "cuda":
                         # Sequences sharing these blocks (core/inflight.py), now or once they
                         # take them, read them from their own streams: order their reads after
                         # this copy.
@@ -391,7 +264,7 @@ class TieredKVCache:
             raise StorageDisabledError("mark_computed is only for `storage: none`; with tensor "
                                        "storage, write the KV with write()")
         with atomic():
-            self._copy_down(self.index.mark_computed(seq))
+            self.stack.copy_down(self.index.mark_computed(seq))
 
     def wait(self, seq: Sequence, layer: int, timeout: float | None = None) -> None:
         """Block until every block this sequence reads has `layer` in the device tier.
@@ -525,29 +398,15 @@ class TieredKVCache:
         _check_salt(salt)
         _check_adapter(adapter_id)
         n = self.index.invalidate(tokens, salt=salt, adapter_id=adapter_id)
-        if self.config.tiers.daemon is not None:
+        if self.stores:
             root, _ = self.index.register_root(salt, adapter_id)
-            n += self.stores[0].invalidate(root, tokens)
-        elif self.config.tiers.remote is not None:
-            root, _ = self.index.register_root(salt, adapter_id)
-            self.stores[0].delete(root, self.hasher.chain(root, tokens))
+            n += self.stack.invalidate_keyed(root, tokens)
         return n
 
     def stats(self) -> dict:
         out = self.index.stats()
-        out["threads"] = self.health.summary()
         out["closed"] = self._closed
-        out["copies"] = self.migrator.copy_stats() if self.migrator is not None else {}
-        for tier in self.index.tiers:
-            if tier.persistent and not self._closed:
-                out["tiers"][tier.name]["pool"] = self.pools[tier.index].stats()
-        for keyed, store in zip(self.index.keyed, self.stores):
-            out["tiers"][keyed.name]["store"] = store.stats()
-        if self.config.tiers.daemon is not None and not self._closed:
-            shared_tiers.daemon_stats(self.stores[0], out)
-        if self.costs is not None:
-            out["cost_model"] = {name: c.snapshot() for name, c in self.costs.tiers.items()}
-        return out
+        return self.stack.stats(out)
 
     def resize(self, tier: str, num_blocks: int, *, timeout: float | None = 30.0) -> int:
         """Grow or shrink a tier to `num_blocks` slots while the cache serves; returns the new
@@ -604,43 +463,15 @@ class TieredKVCache:
     # ------------------------------------------------------------------ data plane hooks
     def _run(self, plan: list[Transfer]) -> None:
         """Copy a plan now (synchronous eviction, shrink moves). Raises TransferError."""
-        self.executor.run(plan)
-
-    def _poke(self) -> None:
-        if self.migrator is not None:
-            self.migrator.poke()
+        self.stack.run(plan)
 
     def _promote(self, plan: list[Transfer], readiness: LayerReadiness) -> None:
-        assembly.promote(self.index, self.executor, self.migrator, plan, readiness)
+        self.stack.promote(plan, readiness)
 
     def _published(self, fresh: list[int]) -> None:
-        """Blocks just published: a copy below them (write_through), and to the daemon."""
-        self._copy_down(fresh)
-        if fresh and self.migrator is not None and self.config.tiers.daemon is not None:
-            self.migrator.put_remote(fresh)
-
-    def _copy_down(self, fresh: list[int]) -> None:
-        """write_through: a copy in the next tier now, so evicting the block later costs no
-        copy (in the background when the migrator runs)."""
-        if not (fresh and self.index.write_through and len(self.index.tiers) > 1):
-            return
-        if self.migrator is not None and not self.migrator.stopped:
-            self.migrator.copy_down(fresh)
-            return
-        try:
-            plan = moves.plan_copy_down(self.index, fresh, DEVICE, DEVICE + 1)
-        except CapacityError:
-            # NOTE: the write this copy follows has already committed: a copy that finds no
-            # room below is skipped (the blocks just have no lower copy), never an error.
-            return
-        ok = False
-        try:
-            self.executor.run(plan)
-            ok = True
-        except TransferError:
-            self.index.count("transfer_failures")     # the block just has no lower copy
-        finally:
-            moves.commit_copy_down(self.index, plan, ok)
+        """Blocks just published: a copy below them (write_through), and puts to the keyed
+        tiers written as blocks are computed."""
+        self.stack.published(fresh)
 
     def _flat_index(self, seq: Sequence, start: int, end: int):
         import torch
@@ -790,44 +621,7 @@ def _check_adapter(adapter_id: object) -> None:
     """A per-request adapter id goes into the hash namespace: the same rules as the config's."""
     if adapter_id is None:
         return
-    from tiered_cache.config import check_identifier
-
     try:
         check_identifier("adapter_id", adapter_id)
     except ConfigError as exc:
         raise TokenError(str(exc)) from None
-
-
-def _attached(index: BlockIndex, migrator, tenant_salt: bytes) -> None:
-    """The node daemon tier (re)attached (on its thread): key roots under the tenant it
-    assigned, and publish what the device tier holds.
-
-    NOTE: a new daemon may have lost everything (a restart without a disk tier), and blocks
-    computed while it was away were never published: every published device block is put
-    again (blocks whose root the daemon keys differently are skipped by the put, and a block
-    the daemon already has is answered "not taken" and costs no copy there)."""
-    index.set_tenant(tenant_salt)
-    index.forget_puts(0)
-    if migrator is not None and not migrator.stopped:
-        migrator.put_remote(index.blocks_in(DEVICE))
-
-
-def _warm_up(pools: list) -> None:
-    """Run each copy path once on slot 0 so its first real use (an eviction under the lock)
-    does not pay for imports and kernel compilation (seconds, once per process)."""
-    from tiered_cache.data.executor import Executor
-
-    real = [p for p in pools if p is not None]
-    if len(real) < 2 or real[0].num_slots < 1 or real[1].num_slots < 1:
-        return
-    ex = Executor(real[:2], ["gpu", "host"])
-    try:
-        import torch
-
-        with torch.no_grad():
-            # Copies slot 0 onto slot 0 of the other pool and back: both are unused (fresh
-            # pools), so nothing observable changes.
-            ex.run([Transfer(0, 0, 0, 1, 0)])
-            ex.run([Transfer(0, 1, 0, 0, 0)])
-    except TransferError:
-        pass

@@ -17,7 +17,6 @@ This module imports no torch (only `block_size: auto` asks torch, lazily, for th
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import ipaddress
 import math
 import os
@@ -31,15 +30,30 @@ import yaml
 
 from tiered_cache import sizing
 from tiered_cache.errors import ConfigError
+from tiered_cache.policies import resolve as resolve_policy
+from tiered_cache.sections import (
+    Section,
+    TierSize,
+    boolean,
+    choice,
+    fraction,
+    from_mapping,
+    is_int,
+    non_negative_int,
+    not_a_mapping,
+    positive_int,
+    positive_number,
+    unknown_key,
+)
 from tiered_cache.sizing import MAX_NUM_BLOCKS, MAX_SIZE_BYTES, short_repr
+from tiered_cache.tiers import SLOT
+from tiered_cache.tiers import kinds as registered_kinds
 
 KV_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 """KV storage dtypes and their bytes per element."""
 
 FP8_SCALE_BYTES = 4
 """fp8 KV keeps one float32 scale per (layer, K|V) per block."""
-
-DEVICES_HINT = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 
 # Upper bounds. Every number in the config has one, so that no value can overflow a float, a
 # C timeout, an int64 byte offset or an int32 slot id further down, and so that a typo of a few
@@ -66,66 +80,15 @@ MAX_YAML_INT_DIGITS = 4300
 (converting it would raise ValueError, or take quadratic time with the limit lifted)."""
 
 
-# --------------------------------------------------------------------------------------------
-# value checks: each raises ConfigError(path, "expected ..., got <repr>")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    """A finite int or float. An int is never passed to math.isfinite (float conversion of a
-    400-digit int raises OverflowError); ints compare exactly with float bounds."""
-    if _is_int(v):
-        return True
-    return isinstance(v, float) and math.isfinite(v)
-
-
-def _positive_int(path: str, v: Any, hi: int) -> int:
-    if not _is_int(v) or v < 1:
-        raise ConfigError(path, f"expected a positive integer, got {short_repr(v)}")
-    if v > hi:
-        raise ConfigError(path, f"expected a positive integer at most {hi:,}, got {short_repr(v)}")
-    return v
-
-
-def _non_negative_int(path: str, v: Any, hi: int) -> int:
-    if not _is_int(v) or v < 0:
-        raise ConfigError(path, f"expected a non-negative integer, got {short_repr(v)}")
-    if v > hi:
-        raise ConfigError(path, f"expected a non-negative integer at most {hi:,}, "
-                                f"got {short_repr(v)}")
-    return v
-
-
-def _positive_number(path: str, v: Any, hi: float) -> float:
-    if not _is_number(v) or v <= 0:
-        raise ConfigError(path, f"expected a positive number, got {short_repr(v)}")
-    if v > hi:
-        raise ConfigError(path, f"expected a positive number at most {hi:,g}, got {short_repr(v)}")
-    return float(v)
-
-
-def _fraction(path: str, v: Any, *, upper_open: bool = False) -> float:
-    ok = _is_number(v) and 0 < v and (v < 1 if upper_open else v <= 1)
-    if not ok:
-        interval = "(0, 1)" if upper_open else "(0, 1]"
-        raise ConfigError(path, f"expected a number in {interval}, got {short_repr(v)}")
-    return float(v)
-
-
-def _bool(path: str, v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise ConfigError(path, f"expected true or false, got {short_repr(v)}")
-    return v
-
-
-def _choice(path: str, v: Any, choices: Any) -> str:
-    if not isinstance(v, str) or v not in choices:
-        listed = ", ".join(repr(c) for c in choices)
-        raise ConfigError(path, f"expected one of {listed}, got {short_repr(v)}")
-    return v
+def _overcommit(v: Any) -> None:
+    """`overcommit`: distinct names of registered slot tier kinds (tiered_cache/admission.py)."""
+    names = tuple(name for name, kind in registered_kinds().items() if kind.shape == SLOT)
+    # NOTE: item types first: a set of YAML-aliased nested lists must never be built or repr'd
+    if not isinstance(v, list) or len(v) > len(names) \
+            or not all(isinstance(x, str) and x in names for x in v) or len(set(v)) != len(v):
+        raise ConfigError("overcommit", f"expected a list of distinct tier names from "
+                                        f"{', '.join(names)} (tiers allowed to ask for more "
+                                        f"than this machine can give), got {short_repr(v)}")
 
 
 def check_identifier(path: str, v: Any, *, optional: bool = False) -> str | None:
@@ -176,96 +139,12 @@ def _host(path: str, v: Any) -> str:
     raise ConfigError(path, f"{hint}, got {short_repr(v)}")
 
 
-def _size(path: str, v: Any) -> None:
-    if v is not None:
-        sizing.parse_size(v, path)
-
-
-_PLAIN_KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,80}", re.ASCII)
-
-
-def _key_text(key: Any) -> str:
-    """A mapping key as it appears in an error path: a short word as is, anything else (an
-    empty string, one with a dot or a newline, a megabyte string, an int of 5000 digits) as a
-    short repr, so that the path stays one unambiguous line."""
-    if isinstance(key, str) and _PLAIN_KEY_RE.fullmatch(key):
-        return key
-    return short_repr(key)
-
-
-class _Section:
-    """Mixin: a config section that knows its key path in the tree."""
-
-    _PATH: ClassVar[str] = ""
-    _NESTED: ClassVar[dict[str, type]] = {}
-
-    @classmethod
-    def _key(cls, name: str) -> str:
-        return f"{cls._PATH}.{name}" if cls._PATH else name
-
-    def _nested(self, name: str) -> None:
-        """Accept a nested section given as a plain mapping; reject anything else."""
-        section_cls = self._NESTED[name]
-        value = getattr(self, name)
-        if isinstance(value, section_cls):
-            return
-        if value is None:
-            value = _section_default(type(self), name)
-        elif isinstance(value, Mapping):
-            value = _from_mapping(section_cls, value)
-        else:
-            raise ConfigError(self._key(name), _not_a_mapping(value))
-        setattr(self, name, value)
-
-
-def _section_default(cls: type, name: str) -> Any:
-    """The default of a nested section field (what a missing or null section gets)."""
-    f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return f.default_factory()
-
-
-def _not_a_mapping(value: Any) -> str:
-    return f"expected a mapping of keys, got {type(value).__name__} {short_repr(value)}"
-
-
-def _from_mapping(cls: type, data: Any) -> Any:
-    """Build `cls` from a mapping: reject unknown keys (suggesting the closest valid one), build
-    nested sections recursively, let `__post_init__` check the values. A missing key takes the
-    dataclass default; a missing or null section takes its defaults."""
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        where = cls._PATH
-        msg = _not_a_mapping(data)
-        raise ConfigError(where, msg if where else f"config: {msg}")
-    valid = [f.name for f in dataclasses.fields(cls) if f.init]
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if not isinstance(key, str) or key not in valid:
-            path = cls._key(_key_text(key))
-            close = (difflib.get_close_matches(key, valid, n=1)
-                     if isinstance(key, str) and len(key) <= 80 else [])
-            if close:
-                raise ConfigError(path, f"unknown key; did you mean {close[0]!r}?")
-            listed = ", ".join(repr(k) for k in sorted(valid))
-            raise ConfigError(path, f"unknown key; valid keys are {listed}")
-        if key in cls._NESTED:
-            if value is None:  # `migrator:` with nothing under it: the section's defaults
-                continue
-            if not isinstance(value, cls._NESTED[key]):
-                if not isinstance(value, Mapping):
-                    raise ConfigError(cls._key(key), _not_a_mapping(value))
-                value = _from_mapping(cls._NESTED[key], value)
-        kwargs[key] = value
-    return cls(**kwargs)
-
-
 # --------------------------------------------------------------------------------------------
 # sections
 
 
 @dataclass
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The model whose KV is cached: geometry and KV dtype."""
 
     _PATH: ClassVar[str] = "model"
@@ -284,20 +163,20 @@ class ModelConfig(_Section):
 
     def __post_init__(self) -> None:
         check_identifier(self._key("name"), self.name)
-        _positive_int(self._key("num_layers"), self.num_layers, MAX_NUM_LAYERS)
-        _positive_int(self._key("num_kv_heads"), self.num_kv_heads, MAX_NUM_HEADS)
-        _positive_int(self._key("head_dim"), self.head_dim, MAX_HEAD_DIM)
+        positive_int(self._key("num_layers"), self.num_layers, MAX_NUM_LAYERS)
+        positive_int(self._key("num_kv_heads"), self.num_kv_heads, MAX_NUM_HEADS)
+        positive_int(self._key("head_dim"), self.head_dim, MAX_HEAD_DIM)
         if self.num_q_heads is None:
             self.num_q_heads = self.num_kv_heads
-        _positive_int(self._key("num_q_heads"), self.num_q_heads, MAX_NUM_HEADS)
+        positive_int(self._key("num_q_heads"), self.num_q_heads, MAX_NUM_HEADS)
         if self.num_q_heads % self.num_kv_heads:
             raise ConfigError(
                 self._key("num_q_heads"),
                 f"must be a multiple of num_kv_heads ({self.num_kv_heads}), "
                 f"got {self.num_q_heads}")
-        _choice(self._key("dtype"), self.dtype, KV_DTYPES)
+        choice(self._key("dtype"), self.dtype, KV_DTYPES)
         if self.num_params is not None:
-            self.num_params = _positive_number(self._key("num_params"), self.num_params,
+            self.num_params = positive_number(self._key("num_params"), self.num_params,
                                                MAX_NUM_PARAMS)
 
     @property
@@ -321,266 +200,73 @@ class ModelConfig(_Section):
         return self.num_layers * 2 * FP8_SCALE_BYTES if self.dtype == "fp8_e4m3" else 0
 
 
-class _TierSize:
-    """Shared check: exactly one of capacity / num_blocks; the resize bounds."""
-
-    def _check_size(self: Any, min_blocks: int) -> None:
-        _size(self._key("capacity"), self.capacity)
-        if self.num_blocks is not None:
-            check = _positive_int if min_blocks else _non_negative_int
-            check(self._key("num_blocks"), self.num_blocks, MAX_NUM_BLOCKS)
-        for key in ("max_num_blocks", "segment_blocks"):
-            if getattr(self, key) is not None:
-                _positive_int(self._key(key), getattr(self, key), MAX_NUM_BLOCKS)
-        if self.max_num_blocks is not None and self.num_blocks is not None and \
-                self.max_num_blocks < self.num_blocks:
-            raise ConfigError(self._key("max_num_blocks"),
-                              f"{self.max_num_blocks} is below num_blocks {self.num_blocks}")
-        if (self.capacity is None) == (self.num_blocks is None):
-            got = "both" if self.capacity is not None else "neither"
-            raise ConfigError(self._PATH,
-                              f"set exactly one of 'capacity' or 'num_blocks', got {got}")
 
 
-@dataclass
-class GpuTierConfig(_Section, _TierSize):
-    """The fast tier: a device pool (CPU memory when there is no CUDA and device is auto/cpu)."""
+class TiersConfig(Section):
+    """`tiers`: one section per registered tier kind (tiered_cache.tiers), `tiers.<kind>`. A
+    kind that is always configured (gpu, host) gets its default section when absent; an
+    optional one (disk, remote, daemon) is None. A kind registered later (one module, no edit
+    here) is accepted from then on. Sections read as attributes: `config.tiers.host`."""
 
-    _PATH: ClassVar[str] = "tiers.gpu"
-
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:N. auto: cuda when available, else cpu."""
-    capacity: str | None = None
-    """"40GiB", "512MiB" or "70%" (of the device's free memory)."""
-    num_blocks: int | None = None
-    """Exactly one of capacity / num_blocks must be set."""
-    max_num_blocks: int | None = None
-    """Largest size `cache.resize` may grow the tier to; address space for it is reserved up
-    front (no memory). null: the machine's physical memory in blocks."""
-    segment_blocks: int | None = None
-    """Blocks per memory segment: resize backs and frees memory in these steps. null: about
-    64 MiB of KV."""
-    resizable: bool = False
-    """CUDA only: lay the device pool over reserved device addresses mapped segment by segment
-    (CUDA virtual memory API; needs the `cuda` extra), so cache.resize works on it. Off: one
-    allocation. A device tier in CPU memory is always resizable."""
-
-    def __post_init__(self) -> None:
-        # fullmatch: re.match with `$` would accept "cpu\n" (`$` matches before a final newline)
-        if not isinstance(self.device, str) or not sizing.DEVICE_RE.fullmatch(self.device):
-            hint = DEVICES_HINT
-            if isinstance(self.device, str) and re.fullmatch(r"cuda:[0-9]+", self.device,
-                                                             re.ASCII):
-                hint += " with N in 0..999 and no leading zeros"
-            raise ConfigError(self._key("device"),
-                              f"expected one of {hint}, got {short_repr(self.device)}")
-        _bool(self._key("resizable"), self.resizable)
-        self._check_size(min_blocks=1)
-
-
-HOST_MEMORY = ("pinned", "managed", "pageable")
-
-
-@dataclass
-class HostTierConfig(_Section, _TierSize):
-    """The slow tier: host memory. num_blocks 0 (or a capacity that holds no block) means no
-    host tier."""
-
-    _PATH: ClassVar[str] = "tiers.host"
-
-    capacity: str | None = None
-    num_blocks: int | None = None
-    memory: str = "pinned"
-    """pinned | managed | pageable. pinned falls back to pageable without CUDA; managed needs
-    CUDA (and cupy)."""
-    max_num_blocks: int | None = None
-    """As for tiers.gpu."""
-    segment_blocks: int | None = None
-    """As for tiers.gpu."""
-
-    def __post_init__(self) -> None:
-        self._check_size(min_blocks=0)
-        _choice(self._key("memory"), self.memory, HOST_MEMORY)
-
-
-@dataclass
-class DiskTierConfig(_Section):
-    """A local disk (SSD) beneath host memory: one verified record per slot in a preallocated
-    file, kept across restarts. Written and read only by background threads, never under the
-    control-plane lock."""
-
-    _PATH: ClassVar[str] = "tiers.disk"
-
-    path: str | None = None
-    """Directory of the tier (created if missing). Records of each namespace (model, dtype,
-    geometry, block size) live in their own subdirectory. Required with `storage: tensors`."""
-    capacity: str | None = None
-    """"2TiB", "500GB", or "80%" of the free space at `path`."""
-    num_blocks: int | None = None
-    """Exactly one of capacity / num_blocks; 0 means no disk tier."""
-    max_num_blocks: int | None = None
-    """Largest size `cache.resize` may grow the tier to (null: as many as the disk holds)."""
-    o_direct: bool = False
-    """Payload I/O bypasses the page cache (so demoted blocks do not compete with the host tier
-    for RAM); falls back, with a warning, where the filesystem refuses O_DIRECT."""
-    admit_min_hits: int = 1
-    """Only blocks reused at least this many times are written to disk (0: every demoted
-    block), so one-shot traffic does not wear the SSD."""
-
-    def __post_init__(self) -> None:
-        if self.path is not None:
-            ok = isinstance(self.path, str) and self.path.strip() and "\0" not in self.path \
-                and self.path.isprintable() and len(self.path) <= 4096
-            if not ok:
-                raise ConfigError(self._key("path"), f"expected a directory path (printable, "
-                                                     f"no NUL), got {short_repr(self.path)}")
-        _size(self._key("capacity"), self.capacity)
-        if self.num_blocks is not None:
-            _non_negative_int(self._key("num_blocks"), self.num_blocks, MAX_NUM_BLOCKS)
-        if self.max_num_blocks is not None:
-            _positive_int(self._key("max_num_blocks"), self.max_num_blocks, MAX_NUM_BLOCKS)
-            if self.num_blocks is not None and self.max_num_blocks < self.num_blocks:
-                raise ConfigError(self._key("max_num_blocks"),
-                                  f"{self.max_num_blocks} is below num_blocks {self.num_blocks}")
-        if (self.capacity is None) == (self.num_blocks is None):
-            got = "both" if self.capacity is not None else "neither"
-            raise ConfigError(self._PATH,
-                              f"set exactly one of 'capacity' or 'num_blocks', got {got}")
-        _bool(self._key("o_direct"), self.o_direct)
-        _non_negative_int(self._key("admit_min_hits"), self.admit_min_hits, 1 << 20)
-
-
-_URL_SCHEMES = ("redis://", "rediss://", "valkey://", "valkeys://")
-REMOTE_WRITES = ("on_host", "off")
-
-
-@dataclass
-class RemoteTierConfig(_Section):
-    """A shared keyed store (Redis or Valkey, standalone or cluster) beneath the slot tiers:
-    consulted after a local miss under a hard deadline, loaded from in the background, written
-    in the background. The server alone evicts (its maxmemory policy)."""
-
-    _PATH: ClassVar[str] = "tiers.remote"
-
-    url: str | None = None
-    """redis://host:port/db, or rediss:// for TLS (valkey:// and valkeys:// alike)."""
-    cluster: bool = False
-    """Redis Cluster: keys spread over the masters by the cluster's own slot hashing."""
-    username: str | None = None
-    password: str | None = None
-    """Prefer password_env: a password in a YAML file is readable by whoever reads the file."""
-    password_env: str | None = None
-    """Name of an environment variable holding the password."""
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_check_hostname: bool = True
-    prefix: str = "tc"
-    """First part of every server key: tc:v1:<namespace>:<tenant root>:<block key>."""
-    ttl_s: float | None = None
-    """Expire values after this many seconds (null: only the server's eviction removes them)."""
-    lookup_deadline_ms: float = 5.0
-    """Hard deadline of the existence check in open(): a slow or dead server answers "absent"
-    after it, so open() never waits longer for this tier."""
-    lookahead_blocks: int = 256
-    """Most blocks past the local match one open() looks up."""
-    write: str = "on_host"
-    """on_host: blocks that reach the host tier are put to the store in the background; off:
-    this cache only reads."""
-    put_queue_mib: int = 256
-    """Bound of the background put queue (what does not fit is dropped and counted)."""
-    latency_ms: float = 1.0
-    """Prior of the load cost model until the tier has been measured."""
-    bandwidth_gbps: float = 1.0
-    """Prior of the load cost model until the tier has been measured."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.url, str) or not self.url.startswith(_URL_SCHEMES) \
-                or not self.url.isprintable() or len(self.url) > 2048:
-            raise ConfigError(self._key("url"), f"expected a URL like redis://host:6379/0 "
-                                                f"(or rediss://), got {short_repr(self.url)}")
-        _bool(self._key("cluster"), self.cluster)
-        _bool(self._key("tls_check_hostname"), self.tls_check_hostname)
-        for key in ("username", "password", "password_env", "tls_ca", "tls_cert", "tls_key"):
-            v = getattr(self, key)
-            if v is not None and (not isinstance(v, str) or not v or len(v) > 4096
-                                  or "\0" in v):
-                shown = "***" if key == "password" else short_repr(v)
-                raise ConfigError(self._key(key), f"expected a string or null, got {shown}")
-        if self.password is not None and self.password_env is not None:
-            raise ConfigError(self._key("password"), "set password or password_env, not both")
-        if not isinstance(self.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,32}",
-                                                                 self.prefix):
-            raise ConfigError(self._key("prefix"), f"expected 1-32 letters, digits, '_', '.' "
-                                                   f"or '-', got {short_repr(self.prefix)}")
-        if self.ttl_s is not None:
-            self.ttl_s = _positive_number(self._key("ttl_s"), self.ttl_s, 365 * 86400)
-        self.lookup_deadline_ms = _positive_number(self._key("lookup_deadline_ms"),
-                                                   self.lookup_deadline_ms, 60_000)
-        _positive_int(self._key("lookahead_blocks"), self.lookahead_blocks, 1 << 20)
-        _choice(self._key("write"), self.write, REMOTE_WRITES)
-        _positive_int(self._key("put_queue_mib"), self.put_queue_mib, 1 << 20)
-        self.latency_ms = _positive_number(self._key("latency_ms"), self.latency_ms, 60_000)
-        self.bandwidth_gbps = _positive_number(self._key("bandwidth_gbps"),
-                                               self.bandwidth_gbps, 10_000)
-
-
-@dataclass
-class DaemonTierConfig(_Section):
-    """An engine attached to the node daemon (`tiered-cache serve`): the daemon's tiers (its
-    shared host pool, and disk when configured) sit beneath this engine's GPU tier. The engine
-    keeps its GPU tier and kernels; KV moves through shared memory, never the socket."""
-
-    _PATH: ClassVar[str] = "tiers.daemon"
-
-    socket: str | None = None
-    """The daemon's Unix socket (daemon.socket in its config)."""
-    timeout_s: float = 5.0
-    """Longest wait for one reply of the daemon (then it counts as gone)."""
-    lookup_deadline_ms: float = 2000.0
-    """Longest the daemon may take in open() to make the blocks it found ready (a read from
-    its disk tier) before it answers "absent"; the reply itself is bounded by timeout_s."""
-    write: str = "on_compute"
-    """on_compute: every block this engine computes is published to the daemon (in the
-    background), where the other engine processes of the node find it; off: only read."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.socket, str) or not self.socket or "\0" in self.socket \
-                or len(self.socket) > 107 or not self.socket.isprintable():
-            raise ConfigError(self._key("socket"), f"expected a Unix socket path (at most 107 "
-                                                   f"bytes), got {short_repr(self.socket)}")
-        self.timeout_s = _positive_number(self._key("timeout_s"), self.timeout_s, 3600)
-        self.lookup_deadline_ms = _positive_number(self._key("lookup_deadline_ms"),
-                                                   self.lookup_deadline_ms, 60_000)
-        _choice(self._key("write"), self.write, ("on_compute", "off"))
-
-
-@dataclass
-class TiersConfig(_Section):
     _PATH: ClassVar[str] = "tiers"
-    _NESTED: ClassVar[dict[str, type]] = {"gpu": GpuTierConfig, "host": HostTierConfig,
-                                          "disk": DiskTierConfig, "remote": RemoteTierConfig,
-                                          "daemon": DaemonTierConfig}
 
-    gpu: GpuTierConfig = field(default_factory=lambda: GpuTierConfig(num_blocks=256))
-    host: HostTierConfig = field(default_factory=lambda: HostTierConfig(num_blocks=1024))
-    disk: DiskTierConfig | None = None
-    """Optional; absent (or null): no disk tier."""
-    remote: RemoteTierConfig | None = None
-    """Optional; absent (or null): no remote tier."""
-    daemon: DaemonTierConfig | None = None
-    """Optional: attach this engine to a node daemon (its tiers replace host/disk/remote)."""
+    def __init__(self, **sections: Any) -> None:
+        known = registered_kinds()
+        for name in sections:
+            if name not in known:
+                raise unknown_key(type(self), name, list(known))
+        self._sections: dict[str, Any] = {}
+        for name, kind in known.items():
+            value = sections.get(name)
+            if value is None:
+                value = kind.default_section()
+            elif not isinstance(value, kind.section):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(self._key(name), not_a_mapping(value))
+                value = from_mapping(kind.section, value)
+            self._sections[name] = value
 
-    def __post_init__(self) -> None:
-        self._nested("gpu")
-        self._nested("host")
-        for name in ("disk", "remote", "daemon"):
-            if getattr(self, name) is not None:
-                self._nested(name)
+    @classmethod
+    def _keys(cls) -> list[str]:
+        return list(registered_kinds())
+
+    @classmethod
+    def _nested_types(cls) -> dict[str, type]:
+        return {name: kind.section for name, kind in registered_kinds().items()}
+
+    def __getattr__(self, name: str) -> Any:
+        sections = self.__dict__.get("_sections")
+        if sections is None or name not in sections:
+            raise AttributeError(f"no tier kind {name!r} is registered (tiers: "
+                                 f"{list(sections or ())})")
+        return sections[name]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TiersConfig) and self._sections == other._sections
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass sections are
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self._sections.items())
+        return f"TiersConfig({inner})"
+
+    def items(self):
+        """(kind name, section or None), in the registry's order."""
+        return self._sections.items()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: dataclasses.asdict(section) if section is not None else None
+                for name, section in self._sections.items()}
+
+    def compute_device(self) -> str:
+        """The device the device tier runs on: the `device` key of the fastest configured
+        section that has one ("auto" when none does); `block_size: auto` reads its L2."""
+        return next((s.device for s in self._sections.values()
+                     if s is not None and isinstance(getattr(s, "device", None), str)), "auto")
 
 
 @dataclass
-class MigratorConfig(_Section):
+class MigratorConfig(Section):
     """Background demotion (GPU -> host above high_watermark, down to low_watermark) and
     promotion of host blocks that opened sequences need."""
 
@@ -596,25 +282,25 @@ class MigratorConfig(_Section):
     promotion_chunk_bytes: int = 8 << 20
 
     def __post_init__(self) -> None:
-        _bool(self._key("enabled"), self.enabled)
-        self.high_watermark = _fraction(self._key("high_watermark"), self.high_watermark)
-        self.low_watermark = _fraction(self._key("low_watermark"), self.low_watermark,
+        boolean(self._key("enabled"), self.enabled)
+        self.high_watermark = fraction(self._key("high_watermark"), self.high_watermark)
+        self.low_watermark = fraction(self._key("low_watermark"), self.low_watermark,
                                        upper_open=True)
         if self.low_watermark >= self.high_watermark:
             raise ConfigError(self._key("low_watermark"),
                               f"must be below high_watermark ({self.high_watermark}), "
                               f"got {self.low_watermark}")
-        _positive_int(self._key("num_workers"), self.num_workers, MAX_NUM_WORKERS)
-        _positive_int(self._key("batch_blocks"), self.batch_blocks, MAX_NUM_BLOCKS)
-        self.wait_timeout_s = _positive_number(self._key("wait_timeout_s"), self.wait_timeout_s,
+        positive_int(self._key("num_workers"), self.num_workers, MAX_NUM_WORKERS)
+        positive_int(self._key("batch_blocks"), self.batch_blocks, MAX_NUM_BLOCKS)
+        self.wait_timeout_s = positive_number(self._key("wait_timeout_s"), self.wait_timeout_s,
                                                MAX_TIMEOUT_S)
-        _non_negative_int(self._key("max_retries"), self.max_retries, MAX_RETRIES)
-        _non_negative_int(self._key("promotion_chunk_bytes"), self.promotion_chunk_bytes,
+        non_negative_int(self._key("max_retries"), self.max_retries, MAX_RETRIES)
+        non_negative_int(self._key("promotion_chunk_bytes"), self.promotion_chunk_bytes,
                           MAX_SIZE_BYTES)
 
 
 @dataclass
-class CompactorConfig(_Section):
+class CompactorConfig(Section):
     """Background compaction of live blocks into low slots."""
 
     _PATH: ClassVar[str] = "compactor"
@@ -625,16 +311,16 @@ class CompactorConfig(_Section):
     max_moves_per_step: int = 64
 
     def __post_init__(self) -> None:
-        _bool(self._key("enabled"), self.enabled)
-        self.threshold = _positive_number(self._key("threshold"), self.threshold,
+        boolean(self._key("enabled"), self.enabled)
+        self.threshold = positive_number(self._key("threshold"), self.threshold,
                                           MAX_COMPACT_THRESHOLD)
-        self.interval_s = _positive_number(self._key("interval_s"), self.interval_s,
+        self.interval_s = positive_number(self._key("interval_s"), self.interval_s,
                                            MAX_INTERVAL_S)
-        _positive_int(self._key("max_moves_per_step"), self.max_moves_per_step, MAX_NUM_BLOCKS)
+        positive_int(self._key("max_moves_per_step"), self.max_moves_per_step, MAX_NUM_BLOCKS)
 
 
 @dataclass
-class DaemonConfig(_Section):
+class DaemonConfig(Section):
     """`tiered-cache serve`: the node daemon. Its tiers are this config's host (in shared
     memory) and disk tiers (tiers.gpu is ignored: the daemon owns no GPU; tiers.remote is
     refused: not supported inside the daemon yet)."""
@@ -675,14 +361,14 @@ class DaemonConfig(_Section):
         mode = self.socket_mode
         if isinstance(mode, str) and mode in modes:
             self.socket_mode = modes[mode]
-        elif not _is_int(mode) or mode not in (0o600, 0o660):
+        elif not is_int(mode) or mode not in (0o600, 0o660):
             raise ConfigError(self._key("socket_mode"), "expected \"0600\" or \"0660\" (a "
                                                         "string: YAML has no octal numbers), "
                                                         f"got {short_repr(mode)}")
         for key in ("allow_uids", "allow_gids"):
             v = getattr(self, key)
             if not isinstance(v, list) or len(v) > 4096 or not all(
-                    _is_int(x) and 0 <= x < 2**32 for x in v):
+                    is_int(x) and 0 <= x < 2**32 for x in v):
                 raise ConfigError(self._key(key), f"expected a list of ids in 0..2**32-1, got "
                                                   f"{short_repr(v)}")
         if not isinstance(self.tenants, dict) or len(self.tenants) > 4096:
@@ -698,15 +384,15 @@ class DaemonConfig(_Section):
                                   "expected a tenant name of 1..64 letters, digits, '_', '.' or "
                                   f"'-' (it names the tenant's disk directory), got "
                                   f"{short_repr(name)}")
-        self.lease_s = _positive_number(self._key("lease_s"), self.lease_s, 86400)
-        _positive_int(self._key("max_frame_mib"), self.max_frame_mib, 1024)
-        _positive_int(self._key("max_clients"), self.max_clients, 65536)
-        _positive_int(self._key("staging_blocks"), self.staging_blocks, 4096)
-        _choice(self._key("log_format"), self.log_format, ("text", "json"))
+        self.lease_s = positive_number(self._key("lease_s"), self.lease_s, 86400)
+        positive_int(self._key("max_frame_mib"), self.max_frame_mib, 1024)
+        positive_int(self._key("max_clients"), self.max_clients, 65536)
+        positive_int(self._key("staging_blocks"), self.staging_blocks, 4096)
+        choice(self._key("log_format"), self.log_format, ("text", "json"))
 
 
 @dataclass
-class CostModelConfig(_Section):
+class CostModelConfig(Section):
     """Load or recompute (tiered_cache.costs): a block only in a slow tier (disk, remote) is
     loaded only when that is faster than prefilling its tokens again."""
 
@@ -723,18 +409,18 @@ class CostModelConfig(_Section):
     """Prior for the disk tier until measured."""
 
     def __post_init__(self) -> None:
-        _bool(self._key("enabled"), self.enabled)
-        self.prefill_tflops = _positive_number(self._key("prefill_tflops"),
+        boolean(self._key("enabled"), self.enabled)
+        self.prefill_tflops = positive_number(self._key("prefill_tflops"),
                                                self.prefill_tflops, 1e6)
-        self.margin = _positive_number(self._key("margin"), self.margin, 100.0)
-        self.disk_latency_ms = _positive_number(self._key("disk_latency_ms"),
+        self.margin = positive_number(self._key("margin"), self.margin, 100.0)
+        self.disk_latency_ms = positive_number(self._key("disk_latency_ms"),
                                                 self.disk_latency_ms, 60_000)
-        self.disk_bandwidth_gbps = _positive_number(self._key("disk_bandwidth_gbps"),
+        self.disk_bandwidth_gbps = positive_number(self._key("disk_bandwidth_gbps"),
                                                     self.disk_bandwidth_gbps, 10_000)
 
 
 @dataclass
-class KernelsConfig(_Section):
+class KernelsConfig(Section):
     _PATH: ClassVar[str] = "kernels"
 
     attention_backend: str = "auto"
@@ -743,13 +429,13 @@ class KernelsConfig(_Section):
     """zero_copy (read host blocks in place) | wait (wait for their promotion)."""
 
     def __post_init__(self) -> None:
-        _choice(self._key("attention_backend"), self.attention_backend,
+        choice(self._key("attention_backend"), self.attention_backend,
                 ("auto", "triton", "torch"))
-        _choice(self._key("missing_blocks"), self.missing_blocks, ("zero_copy", "wait"))
+        choice(self._key("missing_blocks"), self.missing_blocks, ("zero_copy", "wait"))
 
 
 @dataclass
-class MetricsConfig(_Section):
+class MetricsConfig(Section):
     _PATH: ClassVar[str] = "metrics"
 
     http_port: int | None = None
@@ -761,7 +447,7 @@ class MetricsConfig(_Section):
 
     def __post_init__(self) -> None:
         p = self.http_port
-        if p is not None and (not _is_int(p) or not 1 <= p <= 65535):
+        if p is not None and (not is_int(p) or not 1 <= p <= 65535):
             raise ConfigError(self._key("http_port"),
                               f"expected a port in 1..65535 or null, got {short_repr(p)}")
         _host(self._key("http_addr"), self.http_addr)
@@ -772,7 +458,7 @@ STORAGE_MODES = ("tensors", "none")
 
 
 @dataclass
-class CacheConfig(_Section):
+class CacheConfig(Section):
     """The whole configuration. Build with `from_yaml`, `from_dict`, `default()`, or directly
     (nested sections may be given as plain mappings)."""
 
@@ -805,6 +491,9 @@ class CacheConfig(_Section):
     """tensors | none (metadata only: simulation, trace replay)."""
     adapter_id: str | None = None
     """LoRA/adapter id; part of the block-hash namespace: printable, at most MAX_NAME_CHARS."""
+    overcommit: list = field(default_factory=list)
+    """Tiers (gpu, host, disk) allowed to ask for more than this machine can give at start;
+    the others are refused with InsufficientMemoryError (tiered_cache/admission.py)."""
     migrator: MigratorConfig = field(default_factory=MigratorConfig)
     compactor: CompactorConfig = field(default_factory=CompactorConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
@@ -818,15 +507,14 @@ class CacheConfig(_Section):
         self._nested("tiers")
         self._resolve_block_size()
         self._check_tier_bytes()
-        from tiered_cache.policies import resolve
-
-        resolve(self.policy, "policy")
-        _choice("write_policy", self.write_policy, WRITE_POLICIES)
-        _bool("verify_tokens", self.verify_tokens)
-        _bool("allow_non_finite_kv", self.allow_non_finite_kv)
-        _bool("share_inflight", self.share_inflight)
-        _choice("storage", self.storage, STORAGE_MODES)
+        resolve_policy(self.policy, "policy")
+        choice("write_policy", self.write_policy, WRITE_POLICIES)
+        boolean("verify_tokens", self.verify_tokens)
+        boolean("allow_non_finite_kv", self.allow_non_finite_kv)
+        boolean("share_inflight", self.share_inflight)
+        choice("storage", self.storage, STORAGE_MODES)
         check_identifier("adapter_id", self.adapter_id, optional=True)
+        _overcommit(self.overcommit)
         for name in ("migrator", "compactor", "kernels", "metrics", "cost_model", "daemon"):
             self._nested(name)
 
@@ -835,8 +523,9 @@ class CacheConfig(_Section):
         count is bounded on its own, but 2**31 blocks of a large geometry would still be
         2**78 bytes, past int64 in every offset computed from them."""
         block = self.block_bytes
-        for name in ("gpu", "host"):
-            tier = getattr(self.tiers, name)
+        for name, tier in self.tiers.items():
+            if not isinstance(tier, TierSize):
+                continue
             for key in ("num_blocks", "max_num_blocks", "segment_blocks"):
                 n = getattr(tier, key)
                 if n is not None and n * block > MAX_SIZE_BYTES:
@@ -848,11 +537,11 @@ class CacheConfig(_Section):
     def _resolve_block_size(self) -> None:
         bs = self.block_size
         if isinstance(bs, str) and bs == "auto":
-            l2 = sizing.l2_cache_bytes(self.tiers.gpu.device)
+            l2 = sizing.l2_cache_bytes(self.tiers.compute_device())
             self.block_size = sizing.auto_block_size(l2, self.model.kv_hidden,
                                                      self.model.dtype_size)
             return
-        if not _is_int(bs) or not 1 <= bs <= 4096 or bs & (bs - 1):
+        if not is_int(bs) or not 1 <= bs <= 4096 or bs & (bs - 1):
             raise ConfigError("block_size",
                               f"expected a power of two in 1..4096 or 'auto', "
                               f"got {short_repr(bs)}")
@@ -877,7 +566,7 @@ class CacheConfig(_Section):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> CacheConfig:
         """Build from a plain (possibly nested) mapping; missing keys take their defaults."""
-        return _from_mapping(cls, data)
+        return from_mapping(cls, data)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> CacheConfig:
@@ -910,7 +599,13 @@ class CacheConfig(_Section):
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dict (block_size resolved) that from_dict turns back into an equal
         config."""
-        return dataclasses.asdict(self)
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = (value.to_dict() if isinstance(value, TiersConfig) else
+                           dataclasses.asdict(value) if dataclasses.is_dataclass(value) else
+                           value)
+        return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -1093,6 +788,7 @@ allow_non_finite_kv: false  # store KV with NaN/inf (off: write() refuses it; co
 share_inflight: false     # open() takes prompt blocks other open sequences are computing
 storage: tensors          # tensors | none (metadata only: simulation and trace replay)
 adapter_id: null          # LoRA/adapter id; part of the hash namespace
+overcommit: []            # tiers that may ask for more memory/disk than the machine has free
 
 migrator:
   enabled: true           # run the background migrator
@@ -1125,3 +821,12 @@ metrics:
   http_port: null         # null: never start an HTTP server; else the Prometheus port
   http_addr: 127.0.0.1    # address the endpoint binds; 0.0.0.0 (or "::") to serve the network
 """
+
+
+def __getattr__(name: str) -> Any:
+    """The tier kinds' section classes by name (`from tiered_cache.config import
+    HostTierConfig`): each is declared by its kind (tiered_cache.tiers)."""
+    for kind in registered_kinds().values():
+        if kind.section.__name__ == name:
+            return kind.section
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,6 +38,10 @@ prefill FLOPs of the configured model at a stated throughput::
     hidden    = num_q_heads * head_dim
     recompute_seconds = (linear + attention) / (prefill_tflops * 1e12)
 
+These FLOPs are this module's functions (`linear_flops`, `attention_flops`, `causal_pairs`);
+the replay's seconds-saved model (tools/replay/costs.py) and the eviction policies' cost context
+(`crossover_context_tokens`, tiers/stack.py) use the same ones.
+
 ``2 * num_params`` per token is one multiply-add per weight (embeddings included in
 ``num_params``: close enough for 70B-class models, where they are ~1.5%). Attention is QK^T and
 PV, each ``2 * hidden`` FLOPs per (query, key) pair and layer, with causal masking: token ``i``
@@ -78,6 +82,30 @@ DEFAULT_ALPHA = 0.1
 MIN_TRANSFER_FRACTION = 0.1
 
 
+def linear_flops(num_params: float, num_tokens: float) -> float:
+    """FLOPs of the linear layers for `num_tokens` tokens: one multiply-add per weight."""
+    return 2.0 * num_params * num_tokens
+
+
+def attention_flops(num_layers: int, hidden: int, pairs: float) -> float:
+    """FLOPs of attention over `pairs` (query, key) pairs: QK^T and PV, each `2 * hidden` per
+    pair and layer (hidden = num_q_heads * head_dim)."""
+    return 4.0 * num_layers * hidden * pairs
+
+
+def causal_pairs(num_tokens: int, context_tokens: int) -> float:
+    """(query, key) pairs of `num_tokens` new tokens after `context_tokens` cached ones, with
+    causal masking: token i of the span sees the context, the span before it and itself."""
+    return num_tokens * context_tokens + num_tokens * (num_tokens + 1) / 2
+
+
+def crossover_context_tokens(num_params: float, num_layers: int, hidden: int) -> float:
+    """The context length at which a token's attention FLOPs equal its linear layers'
+    (`2 * num_params = 4 * num_layers * hidden * t`): ~53K tokens for a 70B-class model. The
+    cost-aware policies weigh a block's depth against it."""
+    return linear_flops(num_params, 1) / attention_flops(num_layers, hidden, 1)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelFlops:
     """The parts of a model's shape that set its prefill FLOPs."""
@@ -97,12 +125,12 @@ class ModelFlops:
         return self.num_q_heads * self.head_dim
 
     def linear_flops(self, num_tokens: int) -> float:
-        return 2.0 * self.num_params * num_tokens
+        return linear_flops(self.num_params, num_tokens)
 
     def attention_flops(self, num_tokens: int, context_tokens: int) -> float:
         """Causal attention of `num_tokens` new tokens after `context_tokens` cached ones."""
-        pairs = num_tokens * context_tokens + num_tokens * (num_tokens + 1) / 2
-        return 4.0 * self.num_layers * self.hidden * pairs
+        return attention_flops(self.num_layers, self.hidden,
+                               causal_pairs(num_tokens, context_tokens))
 
     def prefill_flops(self, num_tokens: int, context_tokens: int = 0) -> float:
         if num_tokens < 0 or context_tokens < 0:
@@ -231,21 +259,13 @@ class CostModel:
                                   context_tokens=context_blocks * block_size)
 
 
-def from_config(config, slot_kinds: list[str]) -> CostModel | None:
-    """The cost model `config` asks for (`cost_model`, with the priors of `tiers.disk` when a
-    slot tier is a disk and of `tiers.remote`), or None when the model's size is not known
+def from_config(config) -> CostModel | None:
+    """The cost model `config` asks for (`cost_model`), without tiers (each slow tier kind adds
+    its own prior: tiered_cache.tiers), or None when the model's size is not known
     (`model.num_params`): without it there is no prefill cost to compare with."""
     cm, model = config.cost_model, config.model
     if not (cm.enabled and model.num_params):
         return None
-    costs = CostModel(ModelFlops(model.num_params, model.num_layers, config.num_q_heads,
-                                 model.head_dim),
-                      prefill_tflops=cm.prefill_tflops, margin=cm.margin)
-    if "disk" in slot_kinds:
-        costs.add_tier(TierCost("disk", latency_s=cm.disk_latency_ms / 1e3,
-                                bandwidth_bps=cm.disk_bandwidth_gbps * 1e9))
-    remote = config.tiers.remote
-    if remote is not None:
-        costs.add_tier(TierCost("remote", latency_s=remote.latency_ms / 1e3,
-                                bandwidth_bps=remote.bandwidth_gbps * 1e9))
-    return costs
+    return CostModel(ModelFlops(model.num_params, model.num_layers, config.num_q_heads,
+                                model.head_dim),
+                     prefill_tflops=cm.prefill_tflops, margin=cm.margin)

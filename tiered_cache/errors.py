@@ -17,6 +17,13 @@ class ConfigError(TieredCacheError, ValueError):
         super().__init__(f"{path}: {message}" if path else message)
 
 
+class InsufficientMemoryError(ConfigError):
+    """What a configuration asks for does not fit in what this machine can give (memory or disk
+    space), checked at start before anything was allocated. Its path names the key(s) that
+    sized the tiers; its message the bytes asked and available. A ConfigError, not a
+    CapacityError: no request can end the shortage, only another config (or `overcommit`)."""
+
+
 class CapacityError(TieredCacheError):
     """A tier cannot hold what was asked: every slot is pinned or in flight."""
 
@@ -81,3 +88,15 @@ class KVValueError(TieredCacheError, ValueError):
 
 class ArgumentError(TieredCacheError, ValueError, TypeError):
     """A call argument has the wrong type or is out of range (e.g. `resize("gpu", 0)`)."""
+
+
+class IdentityError(TieredCacheError, ValueError):
+    """KV would be reused or published under another identity than the one it was computed
+    under: a forward whose attention mask or positions differ from those the sequence was
+    opened with, KV computed from embeddings (no token ids to key it by), or KV written outside
+    a forward of the model the sequence was opened for. Raised before anything is written."""
+
+
+class UnsupportedError(TieredCacheError, NotImplementedError):
+    """A use the integration cannot serve correctly, refused before anything is written:
+    assisted decoding (which needs `crop`), beam search, layers that are not full attention."""

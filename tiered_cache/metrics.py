@@ -129,7 +129,10 @@ class CacheCollector(Collector):
             put.add_metric([name], t["put_blocks"])
             store_errors.add_metric([name], t["store"]["errors"] + t["store"]["timeouts"])
             store_up.add_metric([name], 1.0 if t["store"]["available"] else 0.0)
-        skipped.add_metric(["disk"], s["skipped_loads"])
+        # Prefixes only a persistent tier held, cut from a match: under that tier's name.
+        slow = next((t for t in self.index.tiers if t.persistent), None)
+        if slow is not None:
+            skipped.add_metric([slow.name], s["skipped_loads"])
         degraded = CounterMetricFamily(f"{PREFIX}_degraded_evictions",
                                        "Evicted blocks dropped instead of demoted because the "
                                        "copy down failed (a miss later, never an error)")

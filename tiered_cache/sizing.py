@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import reprlib
+import stat
 from decimal import Decimal, localcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,8 +186,8 @@ def resolve_device(device: str) -> str:
 
 def free_bytes(device: str) -> int:
     """Free memory that a `"%"` capacity applies to: available host memory (psutil) for
-    `"cpu"`/`"host"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
-    if device in ("cpu", "host"):
+    `"cpu"`, `torch.cuda.mem_get_info(device)[0]` for a CUDA device."""
+    if device == "cpu":
         import psutil
 
         return int(psutil.virtual_memory().available)
@@ -210,37 +211,65 @@ def disk_free_bytes(path: str | None) -> int:
     return int(shutil.disk_usage(p).free)
 
 
-def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None) -> int:
-    """Blocks a tier gets: its `num_blocks` if set; else capacity bytes // block_bytes, or, for a
-    `"%"` capacity, fraction * free // block_bytes. `free` defaults to the free memory of the
-    tier's device (gpu: its resolved device; host: `"cpu"`). At least one block for gpu; host may
-    get 0 (no host tier). More than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
+def tier_slot_bytes(config: CacheConfig, tier: str) -> int:
+    """Bytes one slot of `tier` takes where it lives (its section's `slot_bytes`: a block's KV
+    in memory; a record's header and payload areas on disk)."""
+    return getattr(config.tiers, tier).slot_bytes(config)
+
+
+def held_bytes(directory: Path | None) -> int:
+    """Bytes the regular files in `directory` take on disk (a persistent tier's own files from
+    an earlier run: reopening the pool reuses them, so they count as room for it)."""
+    held = 0
+    try:
+        entries = list(directory.iterdir()) if directory is not None else []
+    except OSError:
+        return 0
+    for entry in entries:
+        try:
+            st = entry.lstat()
+            if stat.S_ISREG(st.st_mode):
+                held += st.st_blocks * 512
+        except OSError:
+            pass
+    return held
+
+
+def tier_num_blocks(config: CacheConfig, tier: str, free: int | None = None, *,
+                    slot_bytes: int | None = None, tenant: str | None = None) -> int:
+    """Blocks a slot tier gets: its `num_blocks` if set; else capacity bytes // slot bytes, or,
+    for a `"%"` capacity, fraction * free // slot bytes. Slot bytes: the section's `slot_bytes`
+    unless given (the daemon's shared pool rounds slots to pages). `free` defaults to what the
+    tier's section says a share is of (`free_bytes`: the device's free memory, the host's
+    available memory, the disk's free space plus what its own files hold; `tenant`: a daemon
+    partition's). Fewer than the section's `MIN_BLOCKS` (1 for the device tier; 0, no tier,
+    for the others) or more than MAX_NUM_BLOCKS blocks raises ConfigError: a capacity in bytes
     or a share of a large machine can exceed it with small blocks."""
-    if tier not in ("gpu", "host", "disk"):
-        raise ValueError(f"unknown tier {tier!r}; expected 'gpu', 'host' or 'disk'")
-    tcfg = getattr(config.tiers, tier)
+    tcfg = getattr(config.tiers, tier, None) if isinstance(tier, str) else None
+    if tcfg is None and (not isinstance(tier, str) or not hasattr(config.tiers, tier)):
+        raise ValueError(f"unknown tier {tier!r}; tiers: {list(config.tiers.to_dict())}")
     if tcfg is None:                    # an optional tier that is not configured
         return 0
+    if not hasattr(tcfg, "num_blocks") or not hasattr(tcfg, "capacity"):
+        raise ValueError(f"tier {tier!r} has no size in slots (a keyed tier)")
     if tcfg.num_blocks is not None:
         return tcfg.num_blocks
     path = f"tiers.{tier}.capacity"
-    block = config.block_bytes
+    block = tier_slot_bytes(config, tier) if slot_bytes is None else slot_bytes
     kind, value = parse_size(tcfg.capacity, path)
     if kind == "bytes":
         n = int(value) // block
         what = f"{tcfg.capacity!r} ({int(value):,} bytes)"
     else:
         if free is None:
-            if tier == "disk":
-                free = disk_free_bytes(tcfg.path)
-            else:
-                free = free_bytes(config.tiers.gpu.device if tier == "gpu" else "cpu")
+            free = tcfg.free_bytes(config, tenant)
         n = int(value * free) // block
         what = f"{tcfg.capacity!r} of {free:,} free bytes"
-    if tier == "gpu" and n < 1:
+    unit = f"{getattr(tcfg, 'SLOT_WORD', 'blocks')} of"
+    if n < getattr(tcfg, "MIN_BLOCKS", 0):
         raise ConfigError(path, f"{what} holds no block of {block:,} bytes")
     if n > MAX_NUM_BLOCKS:
-        raise ConfigError(path, f"{what} is {n:,} blocks of {block:,} bytes, more than the "
+        raise ConfigError(path, f"{what} is {n:,} {unit} {block:,} bytes, more than the "
                                 f"{MAX_NUM_BLOCKS:,} a tier may have (use larger blocks)")
     return n
 

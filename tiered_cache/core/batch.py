@@ -1,9 +1,10 @@
 """Pins, unpins and reuse bookkeeping of whole chains: the hot loops of open() and close().
 
-Part of `BlockIndex` (a mixin: it uses the index's state and `_refresh`, and nothing else calls
-it). A chain is handled with a few numpy operations over zero-copy views of the table's arrays
-rather than one trip through the interpreter per block: a hit on a 64-block prompt costs about
-as much as hashing it, and a 1M-token prompt (62,500 blocks) pins in milliseconds.
+A mixin of `BlockIndex`: methods of the owner over its declared state (core/state.py), called
+only by the owner, lock held. A chain is handled with a few numpy operations over zero-copy
+views of the table's arrays rather than one trip through the interpreter per block: a hit on a
+64-block prompt costs about as much as hashing it, and a 1M-token prompt (62,500 blocks) pins
+in milliseconds.
 
 NOTE: the vectorised updates rely on a chain holding each block once (`ref[ids] += 1` with a
 repeated id would count it once), which holds: blocks of one sequence cover distinct positions.
@@ -35,6 +36,7 @@ _NO_FLAGS = np.zeros(0, dtype=bool)
 
 
 class BatchOps:
+    __slots__ = ()
     def _survey(self, blocks: list[int], ids: np.ndarray | None = None) -> Survey:
         """`ids`: `blocks` as an intp array, if the caller has one."""
         if not blocks:              # a miss: nothing to look at (no numpy call at all)

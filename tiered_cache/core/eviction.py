@@ -1,25 +1,52 @@
-"""Room, allocation and eviction: how a tier makes space (part of `BlockIndex`).
+"""Room, allocation, eviction and admission: how a tier makes space (`BlockIndex.space`).
 
-A mixin of `BlockIndex` (core/index.py): it reads and changes the index's state and calls its
-slot primitives (core/slots.py); nothing outside the index calls the private methods here.
+A part of `BlockIndex` (core/index.py), reaching the block state through its owner `ix` and
+moving copies through `ix.copies`. Besides what `open` needs (`room`, `allocate`, `evict`), it
+is the slot accounting background moves use: reservations for copies under way (`reserve`,
+`unreserve`, `free_slot`), victims taken by policy (`take_victims`), admission to a tier below
+(`admits`, `turned_away`), erasure of a persistent tier's freed slots (`take_erasures`,
+`erased`) and a tier's size (`grow_tier`, `finish_shrink`, for core/resize.py). Methods that
+take the lock say so; the others assume it is held.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import CapacityError, TransferError
 
-DEVICE = 0
+if TYPE_CHECKING:
+    from tiered_cache.core.index import BlockIndex
 
+Run = Callable[[list[Transfer]], None]
 
 _SEEN_MAX = 1 << 16
 """Keys of blocks turned away from a tier remembered for admission (a second sighting admits)."""
 
 
-class Eviction:
+def no_copy(plan: list[Transfer]) -> None:
+    """The copy executor of a metadata-only index: nothing to copy."""
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class Space:
+    ix: BlockIndex                  # the owner: block state, `_refresh`, `copies`
+    run: Run = no_copy              # runs a synchronous eviction's demotion copies (lock held)
+    on_pressure: Callable[[], None] | None = None
+    """Told (lock held) when the device tier is used above `high_watermark` (the migrator)."""
+    high_watermark: float = 1.0     # fraction of the device tier that triggers on_pressure
+    on_copied: Callable[[int, list[int]], None] | None = None
+    """Told (lock held) of blocks a synchronous eviction demoted into a tier, so the data
+    plane can follow up (a put to a shared store)."""
+    seen: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    """hash(key) of blocks turned away from a tier (admission), oldest first, bounded."""
+
     def admits(self, t: int, b: int) -> bool:
         """Whether demotion into tier t takes block b: reused at least `admit_min_hits` times,
         or seen before (its content was turned away once already and came back).
@@ -28,18 +55,20 @@ class Eviction:
         so in a tier too small to see reuse, counting hits alone would admit nothing; the
         bounded memory of rejected keys (TinyLFU's doorkeeper, in spirit) admits a second
         sighting. Lock held."""
-        need = self.tiers[t].admit_min_hits
-        if not need or self.blocks.hits[b] >= need:
+        ix = self.ix
+        need = ix.tiers[t].admit_min_hits
+        if not need or ix.blocks.hits[b] >= need:
             return True
-        key = self._key[b]
-        return key is not None and hash(key) in self._seen
+        key = ix._key[b]
+        return key is not None and hash(key) in self.seen
 
     def turned_away(self, b: int) -> None:
         """Block b was not admitted below: remember its content (bounded, oldest first out)."""
-        key = self._key[b]
+        ix = self.ix
+        key = ix._key[b]
         if key is None:
             return
-        seen = self._seen
+        seen = self.seen
         seen[hash(key)] = None
         seen.move_to_end(hash(key))
         if len(seen) > _SEEN_MAX:
@@ -56,13 +85,15 @@ class Eviction:
         drained frees no slot anyone can have (the allocator retires it), so those blocks are
         not room either (conservative again: a pinned tail block is subtracted twice).
         """
-        tier = self.tiers[t]
+        tier = self.ix.tiers[t]
         a = tier.allocator
         return (a.num_free + a.num_used - a.draining - tier.pinned_blocks - tier.reserved
                 - tier.busy)
 
     def check_room(self, t: int, n: int, extra_pinned: int = 0) -> None:
-        tier = self.tiers[t]
+        """Raise CapacityError (transient when copies under way will free enough) unless tier t
+        can provide n slots with `extra_pinned` more of its blocks pinned."""
+        tier = self.ix.tiers[t]
         room = self.room(t) - extra_pinned
         if room < n:
             exc = CapacityError(
@@ -76,14 +107,15 @@ class Eviction:
     def allocate(self, t: int, n: int, hint: int | None = None) -> list[int]:
         """n free slots of tier t, evicting by policy when needed (lock held by the caller).
         Raises CapacityError, changing nothing, when the tier cannot provide them."""
-        tier = self.tiers[t]
         if n <= 0:
             return []
+        ix = self.ix
+        tier = ix.tiers[t]
         if tier.allocator.num_free < n:
             self.check_room(t, n)
             if t == DEVICE:
                 # The migrator's watermark keeps free slots; reaching here means it fell behind.
-                self.counters.sync_evictions += 1
+                ix.counters.sync_evictions += 1
             self.evict(t, n - tier.allocator.num_free)
         slots = tier.allocator.allocate(n, hint)
         if t == DEVICE and self.on_pressure is not None and (
@@ -96,21 +128,22 @@ class Eviction:
         each is later given to a block (`set_slot`/`move_copy`) or freed (`free_slot`), and
         `unreserve` called once per slot either way."""
         slots = self.allocate(t, n)
-        self.tiers[t].reserved += len(slots)
+        self.ix.tiers[t].reserved += len(slots)
         return slots
 
     def reserve_at(self, t: int, slot: int) -> None:
         """`reserve` of one given free slot (the compactor picks its destinations)."""
-        self.tiers[t].allocator.allocate_at(slot)
-        self.tiers[t].reserved += 1
+        tier = self.ix.tiers[t]
+        tier.allocator.allocate_at(slot)
+        tier.reserved += 1
 
     def unreserve(self, t: int, n: int = 1) -> None:
-        self.tiers[t].reserved -= n
+        self.ix.tiers[t].reserved -= n
 
     def free_slot(self, t: int, slot: int) -> None:
         """Return a slot no block owns (a reservation that was not used: in a persistent tier
         it may hold part of a record, so it is erased first)."""
-        self._give_back(self.tiers[t], slot)
+        self.ix.tiers[t].give_back(slot)
 
     def evict(self, t: int, n: int, need: Callable[[], int] | None = None) -> None:
         """Free `n` slots of tier t by the tier's policy (or, with `need`, evict until
@@ -125,9 +158,10 @@ class Eviction:
         A copy that fails is not an error for the request: the victims are dropped instead
         (their only copy goes; a miss later, never wrong data) and counted.
         """
-        tier = self.tiers[t]
+        ix = self.ix
+        tier = ix.tiers[t]
         # NOTE: no copy into a tier whose writes are I/O under the lock: its victims drop.
-        below = t + 1 if t + 1 < len(self.tiers) and self.tiers[t + 1].sync_target else None
+        below = t + 1 if t + 1 < len(ix.tiers) and ix.tiers[t + 1].sync_target else None
         if need is None:
             alloc, target = tier.allocator, tier.allocator.num_free + n
 
@@ -140,31 +174,32 @@ class Eviction:
             # Even if the loop stopped early, every metadata move above must get its data.
             # A block demoted above may have been dropped again by a later eviction in this
             # loop (and its slot reused): its copy is void.
-            slots = self._slots
+            slots = ix._slots
             plan = self._coalesce([p for p in plan if slots[p.dst_tier][p.block] == p.dst_slot])
             if plan:
                 try:
                     self.run(plan)
                 except TransferError:
-                    self.counters.transfer_failures += 1
+                    ix.counters.transfer_failures += 1
                     self._drop_demoted(plan)
                 else:
-                    self.counters.demotions += len(plan)
-                    self.counters.demotion_bytes += len(plan) * self.block_bytes
+                    ix.counters.demotions += len(plan)
+                    ix.counters.demotion_bytes += len(plan) * ix.block_bytes
                     if self.on_copied is not None:
                         self.on_copied(plan[0].dst_tier, [p.block for p in plan])
 
     def _pick_victims(self, t: int, below: int | None, need: Callable[[], int],
                       plan: list[Transfer]) -> None:
-        tier = self.tiers[t]
-        slots, victim = self._slots, tier.policy.victim
+        ix = self.ix
+        tier = ix.tiers[t]
+        slots, victim = ix._slots, tier.policy.victim
         mine = slots[t]
-        cand, ref, flight = self._cand, self._ref, self._flight
-        first_child = self.blocks.first_child
+        cand, ref, flight = ix._cand, ix._ref, ix._flight
+        first_child = ix.blocks.first_child
         others = [s for i, s in enumerate(slots) if i != t]
         later = slots[t + 1:]
         clear = ~(1 << t)
-        admit = self.tiers[below].admit_min_hits if below is not None else 0
+        admit = ix.tiers[below].admit_min_hits if below is not None else 0
         # NOTE: the slots of dropped leaves are freed in one sorted batch at the end (a chain
         # leaves as one run: one merge in the allocator instead of one per block), so what is
         # still missing is need() minus the slots already set aside.
@@ -200,13 +235,13 @@ class Eviction:
                             # NOTE: the tier below cannot make room right now (its copies
                             # are in flight): v stays where it is, a candidate again, and
                             # this eviction stops here (the caller's error is transient).
-                            self._refresh(v)
+                            ix._refresh(v)
                             raise
                     if reserve and mine[v] != NO_SLOT:
                         dst = reserve.pop()
                         plan.append(Transfer(v, t, mine[v], below, dst))
                         tier.evictions += 1
-                        self.move_copy(v, t, below, dst)
+                        ix.copies.move_copy(v, t, below, dst)
                         continue
                 if mine[v] == NO_SLOT:          # dropped by the lower tier's eviction
                     continue
@@ -216,18 +251,18 @@ class Eviction:
                     # the common case, in one step (and its chain with it)
                     nxt = self._drop_leaves(v, t, need, freed, chain=below is None)
                     continue
-                self.clear_slot(v, t)
-                if self.blocks.fastest_tier(v) < 0:
-                    self.counters.dropped_blocks += self.drop_subtree(v)
+                ix.copies.clear_slot(v, t)
+                if ix.blocks.fastest_tier(v) < 0:
+                    ix.counters.dropped_blocks += ix._drop_subtree(v)
         finally:
             if nxt >= 0:                # taken from the policy but not evicted: give it back
                 cand[nxt] &= clear
-                self._refresh(nxt)
+                ix._refresh(nxt)
             if freed:
                 freed.sort()
                 tier.allocator.free(freed)
             if reserve:
-                self.tiers[below].allocator.free(reserve)
+                ix.tiers[below].allocator.free(reserve)
 
     def _drop_leaves(self, v: int, t: int, need: Callable[[], int], freed: list[int],
                      chain: bool) -> int:
@@ -246,18 +281,19 @@ class Eviction:
         calls are spared. `missing` tracks need() - len(freed) without calling need() per
         block: setting a slot aside only grows `freed`, and only retiring a tail slot changes
         the allocator (need() is asked again then)."""
-        tier = self.tiers[t]
+        ix = self.ix
+        tier = ix.tiers[t]
         policy = tier.policy
         offer, insert = policy.offer, policy.insert
-        table = self.blocks
-        mine, owner, prefix, key, parent = self._slots[t], tier.owner, self.prefix, self._key, \
-            self._parent
-        kids, cand, ref, flight = self._kids[t], self._cand, self._ref, self._flight
+        table = ix.blocks
+        mine, owner, prefix, key, parent = ix._slots[t], tier.owner, ix.prefix, ix._key, \
+            ix._parent
+        kids, cand, ref, flight = ix._kids[t], ix._cand, ix._ref, ix._flight
         first_child, prev_sib, next_sib = table.first_child, table.prev_sibling, \
             table.next_sibling
         gen, rows = table.gen, table._free
-        others = [s for i, s in enumerate(self._slots) if i != t]
-        faster = self._slots[:t]
+        others = [s for i, s in enumerate(ix._slots) if i != t]
+        faster = ix._slots[:t]
         limit = tier.allocator.capacity
         persistent = tier.persistent
         bit = 1 << t
@@ -288,7 +324,7 @@ class Eviction:
             if prev_sib[v] == NO_BLOCK and next_sib[v] == NO_BLOCK:
                 first_child[p] = NO_BLOCK           # an only child (_unlink's common case)
             else:
-                self._unlink(p, v)
+                ix._unlink(p, v)
             kids[p] -= 1
             # _leaf_again, inlined: p's last child with a copy in tier t left; only tier t's
             # candidacy of p can change.
@@ -311,7 +347,7 @@ class Eviction:
             tier.evictions += 1
             v = p
         dropped = len(rows) - start
-        self.counters.dropped_blocks += dropped
+        ix.counters.dropped_blocks += dropped
         table.num_live -= dropped
         return nxt
 
@@ -319,14 +355,15 @@ class Eviction:
         """Pair ascending source slots with ascending destination slots (a permutation of the
         destinations among the plan's blocks, none of which anyone has read yet), so adjacent
         slots on both sides merge into one large copy."""
+        ix = self.ix
         if len(plan) < 2:
             return plan
         plan = sorted(plan, key=lambda p: p.src_slot)
         out = []
         for p, d in zip(plan, sorted(p.dst_slot for p in plan)):
             if p.dst_slot != d:
-                self._slots[p.dst_tier][p.block] = d
-                self.tiers[p.dst_tier].owner[d] = p.block
+                ix._slots[p.dst_tier][p.block] = d
+                ix.tiers[p.dst_tier].owner[d] = p.block
                 p = Transfer(p.block, p.src_tier, p.src_slot, p.dst_tier, d, p.layers)
             out.append(p)
         return out
@@ -340,13 +377,73 @@ class Eviction:
         with it (their lower copies are freed, their rows recycled), so a later entry whose
         destination slot is no longer its block's is already gone: clearing it again would
         free a slot twice."""
-        slots = self._slots
+        ix = self.ix
+        slots = ix._slots
         for p in plan:
             v = p.block
-            self.counters.degraded_evictions += 1
+            ix.counters.degraded_evictions += 1
             if slots[p.dst_tier][v] != p.dst_slot:
                 continue
-            self.clear_slot(v, p.dst_tier)
-            if self.blocks.fastest_tier(v) < 0:
-                self.counters.dropped_blocks += self.drop_subtree(v)
+            ix.copies.clear_slot(v, p.dst_tier)
+            if ix.blocks.fastest_tier(v) < 0:
+                ix.counters.dropped_blocks += ix._drop_subtree(v)
 
+    # ------------------------------------------------------------------ background moves
+    def take_victims(self, t: int, n: int) -> list[int]:
+        """Up to n candidates of tier t by its policy, no longer candidates (the caller moves
+        or clears their copy in t before the lock is released)."""
+        got = self.ix.tiers[t].policy.victims(n)
+        bit = ~(1 << t)
+        cand = self.ix._cand
+        for v in got:
+            cand[v] &= bit
+        return got
+
+    def recheck(self, b: int) -> None:
+        """Re-derive b's candidacy (a victim taken by `take_victims` that stays after all)."""
+        self.ix._refresh(b)
+
+    def note_evictions(self, t: int, n: int = 1) -> None:
+        self.ix.tiers[t].evictions += n
+
+    # ------------------------------------------------------------------ erasure (lock taken)
+    def take_erasures(self, t: int) -> list[int]:
+        """Slots of tier t whose records must be erased before the slots are reused; hand
+        them back with `erased` once done (or failed: they stay reserved until then)."""
+        with self.ix.locked():
+            tier = self.ix.tiers[t]
+            out, tier.erasing = tier.erasing, []
+            return out
+
+    def erased(self, t: int, slots: list[int], ok: bool = True) -> None:
+        """The records of `slots` are erased (ok), or erasing failed: they are queued again."""
+        with self.ix.locked():
+            tier = self.ix.tiers[t]
+            if not ok:
+                tier.erasing.extend(slots)
+                return
+            tier.reserved -= len(slots)
+            tier.allocator.free(sorted(slots))
+
+    # ------------------------------------------------------------------ resize (lock taken)
+    def grow_tier(self, t: int, n: int) -> None:
+        """Tier t's slots become [0, n) (n above the current count)."""
+        ix = self.ix
+        with ix.locked():
+            tier = ix.tiers[t]
+            delta = n - tier.allocator.num_slots
+            tier.allocator.grow(delta)
+            tier.owner.extend([NO_BLOCK] * delta)
+            tier.policy.resize(n)
+            table = ix.blocks
+            need = sum(x.allocator.num_slots for x in ix.tiers) + 1
+            if table.capacity < need:
+                table.grow(need)
+                ix._bind()
+
+    def finish_shrink(self, t: int) -> None:
+        """A drained shrink of tier t ends: the tail's slots are gone."""
+        with self.ix.locked():
+            tier = self.ix.tiers[t]
+            tier.allocator.finish_shrink()
+            del tier.owner[tier.allocator.num_slots:]

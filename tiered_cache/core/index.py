@@ -22,10 +22,25 @@ Invariants (`check_invariants` asserts them; the stateful property tests after e
    block of the open sequence that registered it, at the depth it was registered for, and its
    key is not published.
 
+The owner is small on purpose: the request path (open, append, writes, close, invalidate,
+reads, the daemon's holds) and introspection are its methods; the rest are its parts, each an
+object with declared state and its own surface, reaching the block state through the owner:
+
+- `copies` (core/copies.py): where blocks' copies are (set/move/clear/remap; moves in flight);
+- `space` (core/eviction.py): room, allocation, eviction, admission, erasure, a tier's size;
+- `keyed` (core/keyed.py): keyed tiers: lookups after a match, loads, puts;
+- `persist` (core/persist.py): record identity, restart recovery, the daemon's lent slots;
+- `inflight` (core/inflight.py): in-flight prefix sharing (writers and waiters).
+
+Every field they share is declared once, in `BlockState` (core/state.py). The mixins
+`BlockTree` (core/tree.py: pins, links, candidacy, promotions) and `BatchOps` (core/batch.py:
+the vectorised hot loops of open and close) are methods of the owner itself.
+
 NOTE: public methods take the lock themselves (it is re-entrant) inside a commit section
 (core/atomic.py): a SIGINT cannot cut a mutation in half. Methods whose names start with `_`
-assume the lock is held. Everything that can fail (room, allocation, the promotion callback)
-runs before the first visible change, or is rolled back.
+assume the lock is held (the parts call the owner's: `ix._refresh(b)`), as do the parts'
+methods that say so. Everything that can fail (room, allocation, the promotion callback) runs
+before the first visible change, or is rolled back.
 """
 
 from __future__ import annotations
@@ -33,10 +48,9 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,15 +58,17 @@ from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.batch import _NO_IDS, BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
-from tiered_cache.core.eviction import Eviction
+from tiered_cache.core.copies import Copies
+from tiered_cache.core.eviction import Run, Space, no_copy
 from tiered_cache.core.inflight import InFlight
-from tiered_cache.core.keyed import KeyedOps
+from tiered_cache.core.keyed import KeyedTiers
 from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import BROKEN, Sequence
-from tiered_cache.core.slots import SlotOps
-from tiered_cache.core.tier import KeyedState, TierSpec, TierState
+from tiered_cache.core.state import COUNTERS, BlockState, Counters, Worth
+from tiered_cache.core.tier import DEVICE, KeyedState, TierSpec, TierState
 from tiered_cache.core.transfer import Transfer
+from tiered_cache.core.tree import BlockTree
 from tiered_cache.errors import (
     BusySequenceError,
     SequenceClosedError,
@@ -63,48 +79,10 @@ from tiered_cache.hashing import BlockHasher
 from tiered_cache.locking import HoldStats, TimedLock
 from tiered_cache.policies.base import CachePolicy
 
+__all__ = ["COUNTERS", "DEVICE", "BlockIndex", "BlockInfo", "Counters", "Promote", "Worth"]
+
 PolicyFactory = Callable[[int, BlockTable], CachePolicy]
-Run = Callable[[list[Transfer]], None]
 Promote = Callable[[list[Transfer], LayerReadiness], None]
-Worth = Callable[[int, int, int], bool]
-"""worth(tier, nblocks, context_blocks): loading nblocks from that tier beats recomputing them
-after context_blocks cached blocks (tiered_cache.costs)."""
-
-DEVICE = 0
-"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
-
-
-@dataclass
-class Counters:
-    """Monotonic event counts of the control plane (exported as `tiered_cache_*_total`)."""
-
-    query_tokens: int = 0
-    hit_tokens: int = 0
-    promotions: int = 0
-    promotion_bytes: int = 0
-    demotions: int = 0
-    demotion_bytes: int = 0
-    write_through_blocks: int = 0
-    collisions: int = 0
-    duplicates: int = 0
-    invalidated_blocks: int = 0
-    dropped_blocks: int = 0
-    sync_evictions: int = 0
-    transfer_failures: int = 0
-    transfer_retries: int = 0
-    compaction_moves: int = 0
-    degraded_evictions: int = 0
-    corrupt_blocks: int = 0
-    recovered_blocks: int = 0
-    skipped_loads: int = 0
-    inflight_hit_tokens: int = 0
-    inflight_aborts: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
-COUNTERS = tuple(f.name for f in fields(Counters))
 
 
 @dataclass(frozen=True)
@@ -137,7 +115,9 @@ def _mutator(fn):
     return wrapper
 
 
-class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
+class BlockIndex(BatchOps, BlockTree, BlockState):
+    __slots__ = ()      # every field is declared in BlockState (core/state.py)
+
     def __init__(self, specs: list[TierSpec], *, policy: PolicyFactory, block_size: int,
                  num_layers: int, hasher: BlockHasher, block_bytes: int = 0,
                  verify_tokens: bool = True, share_inflight: bool = False,
@@ -152,42 +132,42 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         self.block_bytes = block_bytes
         self.hasher = hasher
         self.verify_tokens = verify_tokens
-        self.share_inflight = share_inflight
         self.write_through = write_through
+        self.worth = worth
         # NOTE: every live block holds at least one slot (a private block its device slot, a
         # dropped one the slots its copies still use), so the table never needs more rows
         # than there are slots; it grows anyway if a resize adds slots.
         self.blocks = BlockTable(len(specs), block_size, sum(s.num_slots for s in specs) + 1)
-        self.tiers: list[TierState] = []
+        self.tiers = []
         for i, spec in enumerate(specs):
             self.tiers.append(TierState(spec.name, spec.kind, i, SlotAllocator(spec.num_slots),
                                         policy(spec.num_slots, self.blocks),
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
-                                        admit_min_hits=spec.admit_min_hits))
-        self.stage_tier = next((t.index for t in self.tiers if t.kind == "host"), None)
-        """The slot tier a staged keyed tier (remote) lands its loads in before the device."""
-        self.keyed = [KeyedState(spec.name, spec.kind, len(specs) + k, k, staged=spec.staged,
-                                 put_from=spec.put_from)
-                      for k, spec in enumerate(keyed)]
-        self.worth = worth
-        self.prefix: dict[bytes, int] = {}
-        self.root_keys: dict[int, bytes] = {}          # root id -> root key (records name it)
-        self.pending: dict[int, LayerReadiness] = {}    # block -> its promotion into tier 0
-        self._seen: OrderedDict[int, None] = OrderedDict()  # turned-away keys (admission)
+                                        admit_min_hits=spec.admit_min_hits,
+                                        stages_records=spec.stages_records,
+                                        zero_copy=spec.zero_copy,
+                                        whole_records=spec.whole_records))
+        self.prefix = {}
+        self.root_keys = {}
+        self.pending = {}
+        self.open_seqs = {}
+        self.clock = 0
         self.counters = Counters()
         self.lock = TimedLock()
-        self.lookups = HoldStats()          # open(): prefix match + pin + reserve, per call
-        self.clock = 0
-        self.run: Run = run if run is not None else _no_copy
-        self.on_pressure = on_pressure
-        self.on_copied: Callable[[int, list[int]], None] | None = None
-        """Told (lock held) of blocks a synchronous eviction demoted into a tier, so the data
-        plane can follow up (a put to a shared store)."""
-        self.high_watermark = high_watermark
-        self._open: dict[int, Sequence] = {}
-        self._readers_done = threading.Condition()   # end_read -> close waiting for it
-        self._init_inflight()
+        self.lookups = HoldStats()
+        self.readers_done = threading.Condition()
+        self.copies = Copies(self)
+        self.space = Space(self, run if run is not None else no_copy, on_pressure,
+                           high_watermark)
+        # The slot tier a staged keyed tier (remote) lands its loads in before the device.
+        stage_tier = next((t.index for t in self.tiers if t.stages_records), None)
+        self.keyed = KeyedTiers(self, [KeyedState(spec.name, spec.kind, len(specs) + k, k,
+                                                  staged=spec.staged, put_from=spec.put_from,
+                                                  whole_records=spec.whole_records)
+                                       for k, spec in enumerate(keyed)], stage_tier)
+        self.persist = Persistence(self)
+        self.inflight = InFlight(self, share_inflight)
         self._bind()
 
     def _bind(self) -> None:
@@ -223,13 +203,13 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                          b in self.pending)
 
     def open_sequences(self) -> list[Sequence]:
-        return list(self._open.values())
+        return list(self.open_seqs.values())
 
     def check_open(self, seq: Sequence) -> None:
         if not isinstance(seq, Sequence):
             raise TypeError(f"expected a Sequence from TieredKVCache.open, got "
                             f"{type(seq).__name__}")
-        if seq.owner != id(self) or seq.id not in self._open:
+        if seq.owner != id(self) or seq.id not in self.open_seqs:
             if seq.closed:
                 raise SequenceClosedError(f"sequence {seq.id} is closed")
             raise SequenceClosedError(f"sequence {seq.id} belongs to another cache")
@@ -243,15 +223,16 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         with self.lock:
             c = self.counters.as_dict()
             q = c["query_tokens"]
+            every = self.tiers + self.keyed.tiers
             return {
                 **c,
                 "hit_rate": c["hit_tokens"] / q if q else 0.0,
-                "hit_tokens_by_tier": {t.name: t.hit_tokens for t in self.tiers + self.keyed},
-                "tiers": {t.name: t.stats() for t in self.tiers + self.keyed},
+                "hit_tokens_by_tier": {t.name: t.hit_tokens for t in every},
+                "tiers": {t.name: t.stats() for t in every},
                 "lock_hold": self.lock.holds.summary(),
                 "lookup": self.lookups.summary(),
                 "cached_blocks": len(self.prefix),
-                "open_sequences": len(self._open),
+                "open_sequences": len(self.open_seqs),
             }
 
     # ------------------------------------------------------------------ sequences
@@ -272,7 +253,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         self.root_keys[root_id] = root
         seq = Sequence(id(self), root, root_id, tokens, self.num_layers, salt, adapter_id)
         matched, ids = self._match_ids(seq)
-        shared = self._match_inflight(seq, matched) if self.share_inflight else []
+        shared = self.inflight.match(seq, matched) if self.inflight.enabled else []
         if reserve_last and (len(matched) + len(shared)) * self.block_size >= len(tokens) > 0:
             (shared or matched).pop()
             seq.keys.pop()
@@ -333,7 +314,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
     def tier_name(self, tier: int) -> str:
         """Name of slot tier `tier`, or of keyed tier `tier - len(tiers)` (as in Transfer)."""
         n = len(self.tiers)
-        return self.tiers[tier].name if tier < n else self.keyed[tier - n].name
+        return self.tiers[tier].name if tier < n else self.keyed.tiers[tier - n].name
 
     def known(self, keys: list[bytes]) -> list[bool]:
         """Whether each key names a block in the index."""
@@ -396,10 +377,10 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                 - len(shared))
         # Check room before pinning, so that a refused open leaves even the policies' order
         # untouched: blocks this open would pin stop being evictable.
-        self.check_room(DEVICE, need, extra_pinned=survey.pinning)
+        self.space.check_room(DEVICE, need, extra_pinned=survey.pinning)
         self._pin_all(survey)
         try:
-            slots = self.allocate(DEVICE, need)
+            slots = self.space.allocate(DEVICE, need)
         except BaseException:
             self._unpin_survey(survey)
             raise
@@ -435,7 +416,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         for tier, n in zip(self.tiers, served):
             tier.hit_tokens += bs * n
             by_tier[tier.name] = bs * n
-        for keyed in self.keyed:
+        for keyed in self.keyed.tiers:
             by_tier[keyed.name] = 0
         seq.blocks = matched
         seq.match_ids = survey.ids
@@ -446,13 +427,13 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             seq.blocks = matched + shared
             seq.chain = shared[-1]
             seq.num_published = len(seq.blocks)
-            taken = self._take(seq, shared, len(matched))
+            taken = self.inflight.take(seq, shared, len(matched))
             self.tiers[DEVICE].hit_tokens += taken
             by_tier[self.tiers[DEVICE].name] += taken
         cached = len(seq.blocks) * bs
         self._new_blocks(seq, slots[len(promote_ids):])
-        if self.share_inflight:
-            self._register(seq)
+        if self.inflight.enabled:
+            self.inflight.register(seq)
         seq.num_cached_tokens = cached
         seq.written = [cached] * self.num_layers
         seq.cached_tokens_by_tier = by_tier
@@ -460,7 +441,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         c.query_tokens += len(tokens)
         c.collisions += seq.collided
         c.hit_tokens += cached
-        self._open[seq.id] = seq
+        self.open_seqs[seq.id] = seq
         self.lookups.observe(time.perf_counter() - t0)
         return seq
 
@@ -468,7 +449,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         """Whether a sequence of `num_tokens` uncached tokens fits in the device tier now."""
         need = -(-num_tokens // self.block_size)
         with self.lock:
-            return self.room(DEVICE) >= need
+            return self.space.room(DEVICE) >= need
 
     @_mutator
     def append(self, seq: Sequence, tokens: np.ndarray) -> None:
@@ -476,7 +457,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         self.check_open(seq)
         have = len(seq.blocks) * self.block_size
         need = -(-max(0, seq.num_tokens + len(tokens) - have) // self.block_size)
-        slots = self.allocate(DEVICE, need, hint=self._hint(seq)) if need else []
+        slots = self.space.allocate(DEVICE, need, hint=self._hint(seq)) if need else []
         seq.extend(tokens)
         self._new_blocks(seq, slots)
 
@@ -509,7 +490,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         if event is not None:
             seq.write_events[layer] = event
         if seq.waiters:
-            self._progress(seq)
+            self.inflight.progress(seq)
         return self._publish_ready(seq)
 
     @_mutator
@@ -518,7 +499,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         self.check_open(seq)
         seq.written = [seq.num_tokens] * self.num_layers
         if seq.waiters:
-            self._progress(seq)
+            self.inflight.progress(seq)
         return self._publish_ready(seq)
 
     def close(self, seq: Sequence, timeout: float | None = None) -> None:
@@ -542,8 +523,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             if left is not None and left <= 0:
                 raise BusySequenceError(f"close: sequence {seq.id} is still being read by "
                                         f"{seq.readers} attention call(s)")
-            with self._readers_done:
-                self._readers_done.wait_for(lambda: not seq.readers, left)
+            with self.readers_done:
+                self.readers_done.wait_for(lambda: not seq.readers, left)
 
     def _close(self, seq: Sequence) -> None:
         self.clock += 1
@@ -560,7 +541,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             every = np.count_nonzero(pub) == len(ids)
             t.view("last_access")[ids if every else ids[pub != 0]] = self.clock
             if seq.registered or seq.waiters:
-                self._close_inflight(seq)
+                self.inflight.close(seq)
             zero = self._unpin_ids(ids)
             # NOTE: only a private block is released here; with every block published (a
             # hit's close) there is none to look for.
@@ -571,11 +552,11 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                     for b in zero[private & (t.view("in_flight")[zero] == 0)].tolist():
                         self._release(b)
         elif seq.registered or seq.waiters:
-            self._close_inflight(seq)
+            self.inflight.close(seq)
         seq.blocks = []
         seq.match_ids = _NO_IDS
         seq.closed = True
-        del self._open[seq.id]
+        del self.open_seqs[seq.id]
 
     @_mutator
     def invalidate(self, tokens: np.ndarray, *, salt: str | bytes | None = None,
@@ -589,7 +570,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
         matched = self._match(probe)        # the same verified lookup open() uses
         if not matched:
             return 0
-        n = self.drop_subtree(matched[0])
+        n = self._drop_subtree(matched[0])
         self.counters.invalidated_blocks += n
         return n
 
@@ -632,7 +613,7 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
                     # NOTE: the fastest copy below the device, the one the promotion reads.
                     src = next((i for i in range(1, len(slots)) if slots[i][b] != NO_SLOT),
                                -1)
-                    if src < 0 or self.tiers[src].kind != "host":
+                    if src < 0 or not self.tiers[src].zero_copy:
                         # Only a host copy can be read in place; the facade waits for layers
                         # of promotions staged from disk before it builds tables.
                         self._unhold(held)
@@ -661,8 +642,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             self._unhold(held)
             for seq in seqs:
                 seq.readers -= 1
-        with self._readers_done:
-            self._readers_done.notify_all()
+        with self.readers_done:
+            self.readers_done.notify_all()
 
     def _unhold(self, held: list[int]) -> None:
         flight, ref, key = self._flight, self._ref, self._key
@@ -778,8 +759,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             # index maps keys to ids, never to None: disjoint keys are keys not found.)
             if prefix.keys().isdisjoint(run) and len(set(run)) == len(run):
                 fresh = self._publish_chain(seq, first, ready, parent)
-                if self._inflight or seq.waiters:
-                    fresh += self._published_inflight(seq, first, ready)
+                if self.inflight.registry or seq.waiters:
+                    fresh += self.inflight.published(seq, first, ready)
                 return fresh
         fresh: list[int] = []
         rows: list[int] = []            # published blocks, and their positions: token ids
@@ -826,8 +807,8 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             t.tokens[np.asarray(rows, dtype=np.intp)] = \
                 tokens[:ready * bs].reshape(ready, bs)[np.asarray(at, dtype=np.intp)]
         seq.num_published = ready
-        if self._inflight or seq.waiters:
-            fresh += self._published_inflight(seq, first, ready)
+        if self.inflight.registry or seq.waiters:
+            fresh += self.inflight.published(seq, first, ready)
         return fresh
 
     def _met_published(self, seq: Sequence, i: int, b: int, existing: int,
@@ -901,8 +882,4 @@ class BlockIndex(BatchOps, Eviction, SlotOps, Persistence, KeyedOps, InFlight):
             np.frombuffer(tier.owner, dtype=np.int32)[where] = at
         seq.blocks.extend(ids)
         tier.pinned_blocks += len(slots)
-
-
-def _no_copy(plan: list[Transfer]) -> None:
-    """The copy executor of a metadata-only index: nothing to copy."""
 

@@ -30,10 +30,16 @@ when it is published or its writer closes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.errors import PrefixAbortedError
+
+if TYPE_CHECKING:
+    from tiered_cache.core.index import BlockIndex
 
 
 class Waiter:
@@ -47,23 +53,28 @@ class Waiter:
         self.readiness = readiness
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class InFlight:
-    """Mixin of BlockIndex (lock held by the callers of every method)."""
+    """The in-flight part of `BlockIndex` (`index.inflight`): the registry of blocks being
+    computed and the waiters on their writers. Only the owner calls it, from `open`, the
+    writes, publishing and `close`, with the lock held."""
 
-    def _init_inflight(self) -> None:
-        # key -> (block, writer, depth): full blocks open sequences are computing.
-        self._inflight: dict[bytes, tuple[int, Sequence, int]] = {}
+    ix: BlockIndex                  # the owner: block state, `_pin`, `_publish_ready`
+    enabled: bool = False           # config `share_inflight`: open() takes blocks being computed
+    registry: dict[bytes, tuple[int, Sequence, int]] = field(default_factory=dict)
+    """key -> (block, writer, depth): full blocks open sequences are computing (invariant 6)."""
 
-    def _match_inflight(self, seq: Sequence, matched: list[int]) -> list[int]:
+    def match(self, seq: Sequence, matched: list[int]) -> list[int]:
         """The blocks being computed that continue `matched` (the published match) for `seq`."""
-        inflight = self._inflight
+        ix = self.ix
+        inflight = self.registry
         if not inflight:
             return []
-        bs = self.block_size
+        bs = ix.block_size
         nbytes = bs * 4
         tokens = seq.token_ids
         data = tokens.tobytes()
-        h = self.hasher.hash_fn
+        h = ix.hasher.hash_fn
         key = seq.keys[-1] if matched else seq.root
         prev = matched[-1] if matched else NO_BLOCK
         shared: list[int] = []
@@ -85,42 +96,44 @@ class InFlight:
             prev = b
         return shared
 
-    def _take(self, seq: Sequence, shared: list[int], first: int) -> int:
+    def take(self, seq: Sequence, shared: list[int], first: int) -> int:
         """Pin `shared` (blocks [first, first + len) of `seq`, being computed by others) for
         `seq` and wait on their writers. Returns their token count. Cannot fail."""
         if not shared:
             return 0
+        ix = self.ix
         writers: dict[int, tuple[Sequence, int, int]] = {}     # id -> (writer, last, count)
-        inflight = self._inflight
+        inflight = self.registry
         for i, b in enumerate(shared, first):
-            self._pin(b)
+            ix._pin(b)
             _, writer, _ = inflight[seq.keys[i]]
             _, _, n = writers.get(writer.id, (writer, 0, 0))
             writers[writer.id] = (writer, i, n + 1)
         for writer, last, n in writers.values():
-            r = LayerReadiness(self.num_layers, n)
+            r = LayerReadiness(ix.num_layers, n)
             r.zero_copy = False                 # no copy to read in place: wait for the writer
             r.inflight = True
-            w = Waiter(seq, (last + 1) * self.block_size, r)
+            w = Waiter(seq, (last + 1) * ix.block_size, r)
             writer.waiters.append(w)
             _advance(writer, w)
             seq.pending.append(r)
         seq.awaiting = first + len(shared)
-        tokens = len(shared) * self.block_size
-        self.counters.inflight_hit_tokens += tokens
+        tokens = len(shared) * ix.block_size
+        ix.counters.inflight_hit_tokens += tokens
         return tokens
 
-    def _register(self, seq: Sequence) -> None:
+    def register(self, seq: Sequence) -> None:
         """Register the sequence's own full blocks (after `num_published`) as being computed,
         computing their keys now (publishing would)."""
-        bs = self.block_size
+        ix = self.ix
+        bs = ix.block_size
         nbytes = bs * 4
         full = seq.num_tokens // bs
         keys = seq.keys
         if len(keys) >= full:
             return
         data = seq.token_ids.tobytes()
-        h, prefix, inflight = self.hasher.hash_fn, self.prefix, self._inflight
+        h, prefix, inflight = ix.hasher.hash_fn, ix.prefix, self.registry
         key = keys[-1] if keys else seq.root
         blocks, mine = seq.blocks, seq.registered
         for i in range(len(keys), full):
@@ -130,23 +143,24 @@ class InFlight:
                 inflight[key] = (blocks[i], seq, i)
                 mine.append(key)
 
-    def _progress(self, writer: Sequence) -> None:
+    def progress(self, writer: Sequence) -> None:
         """The writer wrote: advance its waiters' readiness."""
         if not writer.waiters:
             return
         for w in writer.waiters:
             _advance(writer, w)
 
-    def _published_inflight(self, writer: Sequence, first: int, ready: int) -> list[int]:
+    def published(self, writer: Sequence, first: int, ready: int) -> list[int]:
         """Blocks [first, ready) of `writer` were published (or tried): unregister them, and
         publish what waiters kept back under them. Returns the waiters' fresh blocks.
 
         NOTE: also a key another sequence registered, once it is published (by this sequence,
         which computed the same block meanwhile): the index then names the published block,
         and the registry only ever names blocks nothing else stands for (invariant 6)."""
-        inflight = self._inflight
+        ix = self.ix
+        inflight = self.registry
         if inflight:
-            prefix = self.prefix
+            prefix = ix.prefix
             for key in writer.keys[first:ready]:
                 entry = inflight.get(key)
                 if entry is not None and (entry[1] is writer or key in prefix):
@@ -157,17 +171,18 @@ class InFlight:
             return fresh
         for w in waiters:
             if not w.seq.closed and w.seq.awaiting == w.seq.num_published:
-                fresh += self._publish_ready(w.seq)
+                fresh += ix._publish_ready(w.seq)
         # A waiter is done with its writer once the blocks it took are published.
-        bs = self.block_size
+        bs = ix.block_size
         writer.waiters = [w for w in waiters if not w.seq.closed
                           and writer.num_published * bs < w.needed]
         return fresh
 
-    def _close_inflight(self, writer: Sequence) -> None:
+    def close(self, writer: Sequence) -> None:
         """The writer closes: unregister what it did not publish; fail the waiters whose
         blocks it did not write in every layer."""
-        inflight = self._inflight
+        ix = self.ix
+        inflight = self.registry
         for key in writer.registered:
             entry = inflight.get(key)
             if entry is not None and entry[1] is writer:
@@ -175,7 +190,7 @@ class InFlight:
         writer.registered = []
         for w in writer.waiters:
             if not w.readiness.done:
-                self.counters.inflight_aborts += 1
+                ix.counters.inflight_aborts += 1
                 w.readiness.fail(PrefixAbortedError(
                     f"sequence {writer.id}, which was computing {w.readiness.blocks} block(s) "
                     f"that sequence {w.seq.id} shares, closed before writing them in every "

@@ -67,7 +67,7 @@ def check_invariants(target) -> None:
             if b not in live_set or t.in_flight[b] == 0:
                 _fail(f"pending promotion of block {b}, which is not in flight")
         # 6. blocks being computed (core/inflight.py): an open writer's own unpublished block
-        for key, (b, writer, depth) in idx._inflight.items():
+        for key, (b, writer, depth) in idx.inflight.registry.items():
             if writer.closed or writer.id not in {q.id for q in idx.open_sequences()}:
                 _fail(f"in-flight block {b} registered by closed sequence {writer.id}")
             if depth >= len(writer.blocks) or writer.blocks[depth] != b or t.key[b] is not None:

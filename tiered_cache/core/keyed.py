@@ -13,10 +13,14 @@ the blocks, which then hold no valid copy, leave the index.
 Writing to the store (`plan_puts`) copies blocks that have a host copy, in the background;
 `BlockTable.stored` remembers what this process has put, so a block is put once.
 
-A mixin of `BlockIndex` (core/index.py).
+A part of `BlockIndex` (`index.keyed`, core/index.py), reaching the block state through its
+owner `ix`. `extend` and `load_after` take the lock; `_begin_load` assumes it is held.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,17 +28,25 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
+from tiered_cache.core.tier import DEVICE, KeyedState
 from tiered_cache.core.transfer import RecordMeta, Transfer
 
-DEVICE = 0
+if TYPE_CHECKING:
+    from tiered_cache.core.index import BlockIndex
 
 
-class KeyedOps:
+@dataclass(slots=True, eq=False, repr=False)
+class KeyedTiers:
+    ix: BlockIndex                  # the owner: block state, `space`, `copies`, `inflight`
+    tiers: list[KeyedState]         # the keyed tiers; transfers name tier k as len(ix.tiers) + k
+    stage_tier: int | None          # the slot tier a staged tier's loads land in (host), if any
+
     def loadable(self, seq: Sequence) -> tuple[int, bytes, int]:
         """(first block a keyed tier could add, key of the block before it (the root key at
         depth 0), how many full blocks follow) for a sequence `open` just returned; (0, b"", 0)
         when there is nothing to look up. Lock held by the caller or not: reads the handle."""
-        bs = self.block_size
+        ix = self.ix
+        bs = ix.block_size
         m = seq.num_cached_tokens // bs
         full = seq.num_tokens // bs
         if seq.reserve_last and full * bs >= seq.num_tokens:
@@ -53,32 +65,33 @@ class KeyedOps:
         `promote` hands the plan on, as in `open`. For an unstaged tier (the node daemon)
         `slots` are where the blocks lie in its pool and `ticket` the hold that keeps them
         there; each transfer carries both, and the tier's handler releases the hold."""
-        with atomic(), self.lock:
-            self.check_open(seq)
-            bs = self.block_size
+        ix = self.ix
+        with atomic(), ix.lock:
+            ix.check_open(seq)
+            bs = ix.block_size
             m = seq.num_cached_tokens // bs
             if m != seq.num_published or any(w != m * bs for w in seq.written):
                 return 0                # written since: those tokens are its own now
-            t = self.blocks
-            prefix = self.prefix
+            t = ix.blocks
+            prefix = ix.prefix
             n = 0
             for key in keys:
                 i = m + n
                 if (i >= len(seq.blocks) or key in prefix or t.key[seq.blocks[i]] is not None
-                        or self._ref[seq.blocks[i]] != 1):
+                        or ix._ref[seq.blocks[i]] != 1):
                     break               # (ref > 1: another sequence waits on us computing it)
                 n += 1
-            keyed = self.keyed[tier]
+            keyed = self.tiers[tier]
             staged = keyed.staged
             if slots is not None:
                 n = min(n, len(slots))
             host = self.stage_tier
-            if not n or (staged and (host is None or self.room(host) < n)):
+            if not n or (staged and (host is None or ix.space.room(host) < n)):
                 return 0
             parent = seq.chain if m else NO_BLOCK
             if m and (parent < 0 or t.key[parent] is None):
                 return 0                # a block before these is not published (yet)
-            stage = self.reserve(host, n)[::-1] if staged else []
+            stage = ix.space.reserve(host, n)[::-1] if staged else []
             self._begin_load(seq, keyed, m, parent, keys[:n], promote, stage, slots, ticket)
             return n
 
@@ -90,45 +103,46 @@ class KeyedOps:
         hold new tier-0 slots for as many as there is room for and load them there. Returns how
         many blocks the hold gained (a key published meanwhile, or one that is not the chained
         hash of its tokens, ends the run)."""
-        with atomic(), self.lock:
-            self.check_open(seq)
-            keyed = self.keyed[tier]
-            t = self.blocks
-            prefix = self.prefix
-            bs = self.block_size
+        ix = self.ix
+        with atomic(), ix.lock:
+            ix.check_open(seq)
+            keyed = self.tiers[tier]
+            t = ix.blocks
+            prefix = ix.prefix
+            bs = ix.block_size
             m = len(seq.blocks)
             if keyed.staged or m != seq.num_published or seq.num_tokens != m * bs:
                 return 0
             if m:
                 parent, key = seq.blocks[-1], t.key[seq.blocks[-1]]
-            elif parent_key == self.root_keys[seq.root_id]:
+            elif parent_key == ix.root_keys[seq.root_id]:
                 parent, key = NO_BLOCK, parent_key
             else:
                 parent, key = prefix.get(parent_key, NO_BLOCK), parent_key
                 if parent == NO_BLOCK or t.root_id[parent] != seq.root_id:
                     return 0
-            limit = min(len(keys), self.room(DEVICE))
+            limit = min(len(keys), ix.space.room(DEVICE))
             # NOTE: the keys are the caller's; each is checked against its tokens so that no
             # key can be published over another block's tokens.
-            mine = self.hasher.chain(key, tokens[:limit * bs])
+            mine = ix.hasher.chain(key, tokens[:limit * bs])
             n = 0
             while n < len(mine) and mine[n] == keys[n] and mine[n] not in prefix:
                 n += 1
             if not n:
                 return 0
             depth = t.depth[parent] + 1 if parent != NO_BLOCK else 0
-            if self.worth is not None and not self.worth(keyed.index, n, depth):
+            if ix.worth is not None and not ix.worth(keyed.index, n, depth):
                 keyed.skipped += 1      # recomputing them is cheaper: a miss
                 return 0
-            slots = self.allocate(DEVICE, n)
+            slots = ix.space.allocate(DEVICE, n)
             # ---- nothing below fails but the hand-over (promote), which unwinds itself
-            dev, owner = self._slots[DEVICE], self.tiers[DEVICE].owner
+            dev, owner = ix._slots[DEVICE], ix.tiers[DEVICE].owner
             for j, slot in enumerate(slots):
                 b = t.new(depth + j, 1)
                 dev[b] = slot
                 owner[slot] = b
                 seq.blocks.append(b)
-            self.tiers[DEVICE].pinned_blocks += n
+            ix.tiers[DEVICE].pinned_blocks += n
             seq.extend(np.asarray(tokens[:n * bs], dtype=np.int32))
             self._begin_load(seq, keyed, m, parent, keys[:n], promote, [], None, 0)
             return n
@@ -140,18 +154,19 @@ class KeyedOps:
         `promote`: through the host staging slots `stage` (popped from the end) for a staged
         tier; straight into their tier-0 slots otherwise, from the tier's `slots` (None: the
         tier has none, a remote store) under `ticket`. Lock held."""
-        t = self.blocks
-        prefix = self.prefix
+        ix = self.ix
+        t = ix.blocks
+        prefix = ix.prefix
         n = len(keys)
         blocks = seq.blocks[m:m + n]
         host = self.stage_tier
-        readiness = LayerReadiness(self.num_layers, n)
+        readiness = LayerReadiness(ix.num_layers, n)
         readiness.zero_copy = False
-        root = self.root_keys[seq.root_id]
-        dev = self._slots[DEVICE]
+        root = ix.root_keys[seq.root_id]
+        dev = ix._slots[DEVICE]
         plan: list[Transfer] = []
         tokens = seq.token_ids
-        bs = self.block_size
+        bs = ix.block_size
         for j, b in enumerate(blocks):
             i = m + j
             key = keys[j]
@@ -160,14 +175,14 @@ class KeyedOps:
             t.tokens[b] = tokens[i * bs:(i + 1) * bs]
             t.parent[b] = parent
             t.root_id[b] = seq.root_id
-            t.inserted_at[b] = t.last_access[b] = self.clock
+            t.inserted_at[b] = t.last_access[b] = ix.clock
             t.stored[b] |= 1 << keyed.position      # it came from there
             prefix[key] = b
             if parent != NO_BLOCK:
-                self._link(parent, b)
-                self._kids[DEVICE][parent] += 1
-                if self._cand[parent]:
-                    self._refresh(parent)
+                ix._link(parent, b)
+                ix._kids[DEVICE][parent] += 1
+                if ix._cand[parent]:
+                    ix._refresh(parent)
             if i < len(seq.keys):
                 seq.keys[i] = key       # (computed at open: core/inflight.py)
             else:
@@ -181,47 +196,49 @@ class KeyedOps:
             else:
                 plan.append(Transfer(b, keyed.index, slots[j] if slots is not None else NO_SLOT,
                                      DEVICE, dev[b], meta=meta, ticket=ticket))
-            self.pending[b] = readiness
-            self._flight[b] += 1
-            self._refresh(b)
+            ix.pending[b] = readiness
+            ix._flight[b] += 1
+            ix._refresh(b)
             parent = b
         try:
             promote(plan, readiness)
         except BaseException:
-            if self.pending.get(blocks[0]) is readiness:
-                self.commit_promotion(plan, False)
+            if ix.pending.get(blocks[0]) is readiness:
+                ix.commit_promotion(plan, False)
             raise
         cached = (m + n) * bs
         seq.num_cached_tokens = cached
         seq.num_published = m + n
         seq.chain = blocks[-1]
-        seq.written = [cached] * self.num_layers
+        seq.written = [cached] * ix.num_layers
         seq.pending.append(readiness)
         seq.cached_tokens_by_tier[keyed.name] = \
             seq.cached_tokens_by_tier.get(keyed.name, 0) + n * bs
         keyed.hit_tokens += n * bs
         keyed.loads += n
-        self.counters.hit_tokens += n * bs
-        if self._inflight:
-            self._published_inflight(seq, m, m + n)
+        ix.counters.hit_tokens += n * bs
+        if ix.inflight.registry:
+            ix.inflight.published(seq, m, m + n)
 
     def note_skipped(self, tier: int) -> None:
         """A lookup was not made, or its blocks not loaded: recomputing was cheaper."""
-        with self.lock:
-            self.keyed[tier].skipped += 1
+        ix = self.ix
+        with ix.lock:
+            self.tiers[tier].skipped += 1
 
     def plan_puts(self, blocks: list[int], tier: int) -> list[Transfer]:
         """Copies of published blocks into keyed tier `tier` from its `put_from` slot tier,
         for those not put yet, parents first (each source copy is held in flight until
         `commit_puts`)."""
-        with atomic(), self.lock:
-            keyed = self.keyed[tier]
+        ix = self.ix
+        with atomic(), ix.lock:
+            keyed = self.tiers[tier]
             src = keyed.put_from
             if src is None:                     # a read-only keyed tier
                 return []
-            t = self.blocks
+            t = ix.blocks
             bit = 1 << keyed.position
-            have = self._slots[src]
+            have = ix._slots[src]
             plan = []
             todo = dict.fromkeys(blocks)
             for b in blocks:
@@ -237,27 +254,29 @@ class KeyedOps:
                         or t.in_flight[b]:
                     continue
                 plan.append(Transfer(b, src, have[b], keyed.index, NO_SLOT, keep=True,
-                                     meta=self.record_meta(b)))
-                self.begin_move(b)
+                                     meta=ix.persist.record_meta(b)))
+                ix.copies.begin_move(b)
             return plan
 
     def forget_puts(self, tier: int) -> None:
         """Keyed tier `tier` lost what it held (the node daemon restarted): every block may
         be put there again."""
-        with atomic(), self.lock:
-            bit = 1 << self.keyed[tier].position
-            stored = self.blocks.view("stored")
+        ix = self.ix
+        with atomic(), ix.lock:
+            bit = 1 << self.tiers[tier].position
+            stored = ix.blocks.view("stored")
             stored &= np.uint8(0xFF ^ bit)
 
     def commit_puts(self, plan: list[Transfer], tier: int, ok: bool) -> None:
-        with atomic(), self.lock:
-            keyed = self.keyed[tier]
+        ix = self.ix
+        with atomic(), ix.lock:
+            keyed = self.tiers[tier]
             bit = 1 << keyed.position
             for tr in plan:
                 if ok:
-                    self.blocks.stored[tr.block] |= bit
+                    ix.blocks.stored[tr.block] |= bit
                     keyed.puts += 1
-                self.end_move(tr.block)
+                ix.copies.end_move(tr.block)
 
 
 def leading(hits: list[bool]) -> int:

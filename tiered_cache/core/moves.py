@@ -9,7 +9,8 @@ where it was. Tier numbers are parameters: gpu -> host and host -> disk demotion
 code.
 
 Every function here takes the index's lock (re-entrant) and changes state only through the
-index's public methods; none writes a block or tier field itself.
+index's parts (`idx.copies`: where copies are; `idx.space`: reservations, victims, admission;
+`idx.persist.record_meta`); none writes a block or tier field itself.
 
 NOTE: a block can change while its copy runs: an open() may pin it, an invalidate() may drop it.
 Commits re-check: a dropped block's slots are freed here (drop defers them while in flight), a
@@ -42,16 +43,16 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
         t = idx.blocks
         slots = t.slots
         victims = _chain_tops(idx, src, after, n) if after else []
-        victims += idx.take_victims(src, n - len(victims))
+        victims += idx.space.take_victims(src, n - len(victims))
         _extend_chains(idx, src, victims, n)
         below = range(src + 1, len(slots))
         target = idx.tiers[dst] if dst is not None else None
         need = [v for v in victims if target is not None
                 and all(slots[i][v] == NO_SLOT for i in below)]
         if target is not None and target.admit_min_hits:
-            admitted = [v for v in need if idx.admits(dst, v)]
+            admitted = [v for v in need if idx.space.admits(dst, v)]
             for v in set(need).difference(admitted):
-                idx.turned_away(v)          # dropped below, remembered for next time
+                idx.space.turned_away(v)    # dropped below, remembered for next time
             need = admitted
         # Ascending source slots paired with ascending destination slots: adjacent blocks merge
         # into one large copy (transfer.group sorts by source slot).
@@ -59,19 +60,19 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
         persistent = target is not None and target.persistent
         keep: list[int] = []                # ancestors persisted along (they stay above)
         if persistent:
-            need, keep, later = _with_ancestors(idx, dst, need, idx.room(dst))
+            need, keep, later = _with_ancestors(idx, dst, need, idx.space.room(dst))
             for v in later:                 # a parent is busy: this victim waits its turn
-                idx.recheck(v)
+                idx.space.recheck(v)
             victims = [v for v in victims if v not in set(later)]
-        k = min(len(need) + len(keep), idx.room(dst)) if dst is not None else 0
+        k = min(len(need) + len(keep), idx.space.room(dst)) if dst is not None else 0
         try:
-            dest = idx.reserve(dst, k) if k else []
+            dest = idx.space.reserve(dst, k) if k else []
         except CapacityError:
             # Room counted blocks the lower tier cannot evict right now (in flight, or a
             # shrink draining it): keep these victims where they are for the next round.
             kept = set(need)
             for v in need:
-                idx.recheck(v)
+                idx.space.recheck(v)
             victims = [v for v in victims if v not in kept]
             need, keep, dest = [], [], []
         plan: list[Transfer] = []
@@ -81,20 +82,20 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
         for b, s in zip(keep + need, dest):
             src_b = t.fastest_tier(b) if b in ancestors else src
             if slots[src_b][b] == NO_SLOT:  # dropped by the lower tier's eviction just now
-                idx.free_slot(dst, s)
-                idx.unreserve(dst)
+                idx.space.free_slot(dst, s)
+                idx.space.unreserve(dst)
                 continue
-            meta = idx.record_meta(b) if persistent else None
+            meta = idx.persist.record_meta(b) if persistent else None
             plan.append(Transfer(b, src_b, slots[src_b][b], dst, s, keep=b in ancestors,
                                  meta=meta))
-            idx.begin_move(b)
+            idx.copies.begin_move(b)
         moving = {tr.block for tr in plan}
         for v in victims:                   # no copy needed, or no room: leave the tier now
             if v in moving or slots[src][v] == NO_SLOT:
                 continue
-            idx.clear_slot(v, src)
-            idx.note_evictions(src)
-            idx.drop_if_uncached(v)
+            idx.copies.clear_slot(v, src)
+            idx.space.note_evictions(src)
+            idx.copies.drop_if_uncached(v)
         return plan
 
 
@@ -189,20 +190,20 @@ def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
         t = idx.blocks
         for tr in plan:
             b = tr.block
-            idx.unreserve(tr.dst_tier)
+            idx.space.unreserve(tr.dst_tier)
             if ok and t.key[b] is not None:
                 idx.count("demotions")
                 idx.count("demotion_bytes", idx.block_bytes)
                 if tr.keep:                 # a persisted ancestor keeps its faster copies
-                    idx.set_slot(b, tr.dst_tier, tr.dst_slot)
+                    idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
                 elif t.ref_count[b] == 0:
-                    idx.move_copy(b, tr.src_tier, tr.dst_tier, tr.dst_slot)
-                    idx.note_evictions(tr.src_tier)
+                    idx.copies.move_copy(b, tr.src_tier, tr.dst_tier, tr.dst_slot)
+                    idx.space.note_evictions(tr.src_tier)
                 else:                   # pinned meanwhile: it keeps its faster copy too
-                    idx.set_slot(b, tr.dst_tier, tr.dst_slot)
+                    idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
             else:
-                idx.free_slot(tr.dst_tier, tr.dst_slot)
-            idx.end_move(b)
+                idx.space.free_slot(tr.dst_tier, tr.dst_slot)
+            idx.copies.end_move(b)
 
 
 # ---------------------------------------------------------------- write-through
@@ -217,19 +218,19 @@ def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
             return []
         todo = sorted((b for b in blocks if slots[dst][b] == NO_SLOT and slots[src][b] != NO_SLOT
                        and idx.blocks.key[b] is not None), key=lambda b: slots[src][b])
-        n = min(len(todo), idx.room(dst))
+        n = min(len(todo), idx.space.room(dst))
         if n == 0:
             return []
-        dest = idx.reserve(dst, n)
+        dest = idx.space.reserve(dst, n)
         plan = []
         for b, s in zip(todo[:n], dest):
             if slots[src][b] == NO_SLOT:
-                idx.free_slot(dst, s)
-                idx.unreserve(dst)
+                idx.space.free_slot(dst, s)
+                idx.space.unreserve(dst)
                 continue
-            meta = idx.record_meta(b) if persistent else None
+            meta = idx.persist.record_meta(b) if persistent else None
             plan.append(Transfer(b, src, slots[src][b], dst, s, meta=meta))
-            idx.begin_move(b)
+            idx.copies.begin_move(b)
         return plan
 
 
@@ -237,13 +238,13 @@ def commit_copy_down(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
     with idx.locked():
         for tr in plan:
             b = tr.block
-            idx.unreserve(tr.dst_tier)
+            idx.space.unreserve(tr.dst_tier)
             if ok and idx.blocks.key[b] is not None:
-                idx.set_slot(b, tr.dst_tier, tr.dst_slot)
+                idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
                 idx.count("write_through_blocks")
             else:
-                idx.free_slot(tr.dst_tier, tr.dst_slot)
-            idx.end_move(b)
+                idx.space.free_slot(tr.dst_tier, tr.dst_slot)
+            idx.copies.end_move(b)
 
 
 # ---------------------------------------------------------------- compaction
@@ -269,9 +270,9 @@ def plan_compaction(idx: BlockIndex, t: int, max_moves: int, floor: int = 0) -> 
                 and len(plan) < max_moves:
             b = owner[slot]
             if movable(idx, b):
-                idx.reserve_at(t, low)
+                idx.space.reserve_at(t, low)
                 plan.append(Transfer(b, t, slot, t, low))
-                idx.begin_move(b)
+                idx.copies.begin_move(b)
                 low = alloc.lowest_free(low + 1)
             slot = alloc.highest_used_below(slot)
         return plan
@@ -284,13 +285,13 @@ def commit_compaction(idx: BlockIndex, plan: list[Transfer], ok: bool) -> int:
         t = idx.blocks
         for tr in plan:
             b, tier = tr.block, tr.src_tier
-            idx.unreserve(tier)
+            idx.space.unreserve(tier)
             if ok and t.key[b] is not None and t.ref_count[b] == 0 \
                     and t.slots[tier][b] == tr.src_slot:
-                idx.remap(b, tier, tr.dst_slot)
+                idx.copies.remap(b, tier, tr.dst_slot)
                 moved += 1
             else:
-                idx.free_slot(tier, tr.dst_slot)
-            idx.end_move(b)
+                idx.space.free_slot(tier, tr.dst_slot)
+            idx.copies.end_move(b)
         idx.count("compaction_moves", moved)
     return moved

@@ -1,6 +1,10 @@
 """Blocks of a persistent tier: what a record names, and rebuilding the index from records.
 
-A mixin of `BlockIndex` (core/index.py).
+A part of `BlockIndex` (`index.persist`, core/index.py), reaching the block state through its
+owner `ix`. Besides a persistent tier's records (`record_meta`, `restore`, `copies_with_hits`),
+it is how the node daemon lends its pool's slots to clients and adopts what they publish
+(`lend`, `unlend`, `adopt`, `blocks_in`). `record_meta` assumes the lock is held; the others
+take it.
 
 NOTE: a restart rebuilds only what can be reached: a record is restored when its parent is
 (depth-0 records hang off their root key), its key is the chained hash of its parent's key and
@@ -14,6 +18,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -21,15 +27,22 @@ from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.core.transfer import RecordMeta
 
+if TYPE_CHECKING:
+    from tiered_cache.core.index import BlockIndex
+
 log = logging.getLogger("tiered_cache.persist")
 
 
+@dataclass(slots=True, eq=False, repr=False)
 class Persistence:
+    ix: BlockIndex                  # the owner: block state, `space`, `copies`
+
     def record_meta(self, b: int) -> RecordMeta:
         """b's identity for a record (lock held): key, parent key, root key, depth, tokens,
         hits."""
-        t = self.blocks
-        root = self.root_keys[t.root_id[b]]
+        ix = self.ix
+        t = ix.blocks
+        root = ix.root_keys[t.root_id[b]]
         p = t.parent[b]
         return RecordMeta(t.key[b], t.key[p] if p != NO_BLOCK else root, root, t.depth[b],
                           t.token_bytes(b), t.hits[b])
@@ -39,21 +52,24 @@ class Persistence:
         the lock and then `adopt`s or `unlend`s: the node daemon's destinations for blocks a
         client published. Raises CapacityError, changing nothing, when the tier is full of
         pinned blocks."""
-        with atomic(), self.lock:
-            return self.reserve(tier, n)
+        ix = self.ix
+        with atomic(), ix.lock:
+            return ix.space.reserve(tier, n)
 
     def unlend(self, tier: int, slots: list[int]) -> None:
         """Give back slots of `lend` that no block took."""
-        with atomic(), self.lock:
+        ix = self.ix
+        with atomic(), ix.lock:
             for s in slots:
-                self.free_slot(tier, s)
-            self.unreserve(tier, len(slots))
+                ix.space.free_slot(tier, s)
+            ix.space.unreserve(tier, len(slots))
 
     def blocks_in(self, tier: int) -> list[int]:
         """Published blocks with a copy in `tier`, parents before children."""
-        with self.lock:
-            t = self.blocks
-            mine, owner = self._slots[tier], self.tiers[tier].owner
+        ix = self.ix
+        with ix.lock:
+            t = ix.blocks
+            mine, owner = ix._slots[tier], ix.tiers[tier].owner
             out = [b for s, b in enumerate(owner) if b >= 0 and t.key[b] is not None
                    and mine[b] == s]
             return sorted(out, key=t.depth.__getitem__)
@@ -69,21 +85,22 @@ class Persistence:
         NOTE: the KV itself cannot be checked here: a client can only ever publish into its
         own tenant (`root_id` is the daemon's, not the client's word), where it is the source
         of those tokens' KV anyway."""
-        with atomic(), self.lock:
-            t = self.blocks
-            root = self.root_keys[root_id]
-            prefix, hasher = self.prefix, self.hasher
+        ix = self.ix
+        with atomic(), ix.lock:
+            t = ix.blocks
+            root = ix.root_keys[root_id]
+            prefix, hasher = ix.prefix, ix.hasher
             taken: list[int] = []
             for slot, m in entries:
                 parent = NO_BLOCK if m.depth == 0 else prefix.get(m.parent, NO_BLOCK)
                 ok = (m.root == root and m.key not in prefix and len(m.tokens) == 4 *
-                      self.block_size and hasher.key(m.parent, m.tokens) == m.key
+                      ix.block_size and hasher.key(m.parent, m.tokens) == m.key
                       and (m.parent == root if m.depth == 0 else
                            parent != NO_BLOCK and t.root_id[parent] == root_id
                            and t.depth[parent] == m.depth - 1))
-                self.unreserve(tier)
+                ix.space.unreserve(tier)
                 if not ok:
-                    self.free_slot(tier, slot)
+                    ix.space.free_slot(tier, slot)
                     taken.append(NO_BLOCK)
                     continue
                 b = t.new(m.depth, 0)
@@ -93,19 +110,20 @@ class Persistence:
                 t.parent[b] = parent
                 t.root_id[b] = root_id
                 t.hits[b] = m.hits
-                t.last_access[b] = t.inserted_at[b] = self.clock
+                t.last_access[b] = t.inserted_at[b] = ix.clock
                 prefix[m.key] = b
                 if parent != NO_BLOCK:
-                    self._link(parent, b)
-                self.set_slot(b, tier, slot)
+                    ix._link(parent, b)
+                ix.copies.set_slot(b, tier, slot)
                 taken.append(b)
             return taken
 
     def copies_with_hits(self, tier: int) -> tuple[list[int], list[int]]:
         """(slots, use counts) of every published block with a copy in `tier`."""
-        with atomic(), self.lock:
-            t = self.blocks
-            mine, hits, owner = self._slots[tier], t.hits, self.tiers[tier].owner
+        ix = self.ix
+        with atomic(), ix.lock:
+            t = ix.blocks
+            mine, hits, owner = ix._slots[tier], t.hits, ix.tiers[tier].owner
             slots = [s for s in range(len(owner)) if owner[s] >= 0
                      and t.key[owner[s]] is not None and mine[owner[s]] == s]
             return slots, [hits[owner[s]] for s in slots]
@@ -113,12 +131,13 @@ class Persistence:
     def restore(self, tier: int, records: list) -> list[int]:
         """Publish blocks whose only copy is a record in `tier`: `records` are (slot, header)
         pairs (header: key, parent, root, depth, tokens, hits). Returns the slots to erase."""
-        with atomic(), self.lock:
-            t = self.blocks
-            bs = self.block_size
-            state = self.tiers[tier]
-            alloc, mine, kids = state.allocator, self._slots[tier], self._kids[tier]
-            hasher, prefix = self.hasher, self.prefix
+        ix = self.ix
+        with atomic(), ix.lock:
+            t = ix.blocks
+            bs = ix.block_size
+            state = ix.tiers[tier]
+            alloc, mine, kids = state.allocator, ix._slots[tier], ix._kids[tier]
+            hasher, prefix = ix.hasher, ix.prefix
             reject: list[int] = []
             why: Counter[str] = Counter()
             made: list[int] = []
@@ -139,7 +158,7 @@ class Persistence:
                 else:
                     parent = prefix.get(h.parent, NO_BLOCK)
                     if parent == NO_BLOCK or t.depth[parent] != h.depth - 1 or \
-                            self.root_keys.get(t.root_id[parent]) != h.root:
+                            ix.root_keys.get(t.root_id[parent]) != h.root:
                         bad = "an orphan (its parent was not persisted)"
                     else:
                         root_id = t.root_id[parent]
@@ -159,14 +178,14 @@ class Persistence:
                 t.hits[b] = h.hits
                 t.last_access[b] = t.inserted_at[b] = 0     # older than anything served since
                 prefix[h.key] = b
-                self.root_keys[root_id] = h.root
+                ix.root_keys[root_id] = h.root
                 if parent != NO_BLOCK:
-                    self._link(parent, b)
+                    ix._link(parent, b)
                     kids[parent] += 1
                 made.append(b)
             for b in made:
-                self._refresh(b)
-            self.counters.recovered_blocks += len(made)
+                ix._refresh(b)
+            ix.counters.recovered_blocks += len(made)
             if reject:
                 log.warning("tier %s: %d record(s) not restored (%s); they are erased",
                             state.name, len(reject),

@@ -1,7 +1,7 @@
 """Online resize of a tier's slots: the control-plane half of `cache.resize(tier, num_blocks)`.
 
-Growing: the data plane backs the new slots first (outside the lock), then `BlockIndex.grow_tier`
-offers them. Shrinking is a drain:
+Growing: the data plane backs the new slots first (outside the lock), then
+`BlockIndex.space.grow_tier` offers them. Shrinking is a drain:
 
 1. the allocator stops handing out slots at and above the new size (`begin_shrink`);
 2. until the tail is empty, each round evicts by the tier's policy while the blocks living in
@@ -49,7 +49,7 @@ def grow(idx: BlockIndex, t: int, n: int, backing: Backing | None) -> None:
     # are invisible until the allocator offers them under the lock.
     if backing is not None:
         backing.resize(n)
-    idx.grow_tier(t, n)
+    idx.space.grow_tier(t, n)
 
 
 def shrink(idx: BlockIndex, t: int, n: int, timeout: float | None, *,
@@ -68,7 +68,7 @@ def shrink(idx: BlockIndex, t: int, n: int, timeout: float | None, *,
         while True:
             with idx.locked():
                 if alloc.drained():
-                    idx.finish_shrink(t)
+                    idx.space.finish_shrink(t)
                     break
                 waiting = _make_room(idx, t, poke)
                 plan = moves.plan_compaction(idx, t, _MOVES_PER_ROUND, floor=n)
@@ -116,7 +116,7 @@ def _make_room(idx: BlockIndex, t: int, poke: Callable[[], None] | None) -> str:
 
     try:
         if need() > 0:
-            idx.evict(t, 0, need=need)
+            idx.space.evict(t, 0, need=need)
     except CapacityError:
         return "pinned by open sequences or in flight, and nothing else can be evicted"
     return "pinned by open sequences or in flight"

@@ -11,6 +11,9 @@ from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.policies.base import CachePolicy
 
+DEVICE = 0
+"""The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
+
 
 @dataclass(frozen=True)
 class TierSpec:
@@ -37,6 +40,16 @@ class TierSpec:
     """(Keyed tiers.) The slot tier whose copies are put: the host tier (a store is written
     from host memory), or the device tier (the daemon's pool is written as blocks are
     computed, so that other engine processes find them at once); None: read only."""
+    stages_records: bool = False
+    """Whole records (a persistent tier's, a staged keyed tier's) are read and verified into
+    its slots: promotions from a persistent tier and staged keyed loads pass through the first
+    such tier (host memory). Tier 0 with it reads records straight in (the daemon's pool)."""
+    zero_copy: bool = False
+    """The attention kernels read its slots in place while a promotion out of it lands (the
+    kernels' host view, a block-major pool at tier 1); other tiers' readers wait per layer."""
+    whole_records: bool = False
+    """A copy out of it moves whole records, never layer by layer (a disk record, a store's
+    value, the daemon's pool): the migrator copies those first, then memory layer by layer."""
 
 
 @dataclass(eq=False)
@@ -55,6 +68,9 @@ class TierState:
     persistent: bool = False        # see TierSpec
     sync_target: bool = True
     admit_min_hits: int = 0
+    stages_records: bool = False    # see TierSpec
+    zero_copy: bool = False
+    whole_records: bool = False
     erasing: list = field(default_factory=list)     # freed slots awaiting erasure (persistent)
     corrupt: int = 0                # records found corrupt (and dropped)
 
@@ -62,6 +78,17 @@ class TierState:
         # NOTE: sized by the allocator's slots, which exceed capacity_blocks while a shrink
         # drains the tail.
         self.owner = array("i", [NO_BLOCK]) * self.allocator.num_slots
+
+    def give_back(self, slot: int) -> None:
+        """A slot no block holds any more returns to the allocator, or, in a persistent tier,
+        waits (reserved) until the data plane has erased its record (`Space.take_erasures`).
+        Lock held."""
+        self.owner[slot] = NO_BLOCK
+        if self.persistent:
+            self.reserved += 1
+            self.erasing.append(slot)
+        else:
+            self.allocator.free_one(slot)
 
     @property
     def capacity_blocks(self) -> int:
@@ -95,6 +122,7 @@ class KeyedState:
     position: int                   # k: the bit of BlockTable.stored that says "put here"
     staged: bool = True             # see TierSpec
     put_from: int | None = 1        # see TierSpec
+    whole_records: bool = True
     hit_tokens: int = 0
     loads: int = 0                  # blocks loaded from it
     load_failures: int = 0          # blocks it was asked for that it could not return

@@ -1,13 +1,13 @@
-"""The node daemon's foundations: one process per node owns the shared tiers, engines attach.
+"""The node daemon `tiered-cache serve`: the server above the data plane.
 
-- `protocol`: the wire format (length-prefixed msgpack maps, a declarative schema per op).
-- `transport`: the Unix-socket server (SO_PEERCRED allowlist, frame limits, graceful stop).
-- `client`: the engine's connection (request/response, timeouts, reconnect) and its heartbeat.
-- `peer`: a connection's identity from the kernel, and the allowlist.
+- `serve`: the command (config, signals, READY line, SIGTERM drain).
+- `service`: NodeService, the op handlers over the tenants' partitions (clients, leases,
+  handles, staging areas).
+- `partition`: one tenant's tiers (a stack built by tiered_cache.tiers.build_stack).
 - `leases`: client -> expiry, with a reaper that reports each ended lease exactly once.
-- `shm`: the shared host pool's memory (a sealed memfd passed with SCM_RIGHTS) and its views.
-- `errors`: the typed errors, and their names on the wire.
-- `testing`: a reference daemon over all of these, run as a process by tests and benchmarks.
+- `observe`: /metrics and /health.
+- `process`: a daemon as a child process (`tiered-cache run-shared`, tests, benchmarks).
 
-Submodules are imported on use: only `shm` needs torch.
+The wire (protocol, transport, client, shared memory) is tiered_cache.wire, below the data
+plane; nothing below this package imports it.
 """

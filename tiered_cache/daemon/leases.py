@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from tiered_cache.daemon.errors import LeaseExpiredError
+from tiered_cache.wire.errors import LeaseExpiredError
 
 log = logging.getLogger(__name__)
 

@@ -11,17 +11,18 @@ area (daemon/service.py) and the daemon copies them in (`publish`): a client who
 reaped while it was stalled can only scribble on its own staging slots, never on a slot the
 daemon has since given to another block.
 
-Tier 0 of the partition's index is the shared host pool (kind "host"), tier 1 the disk tier if
-configured, and beneath them the remote store (`tiers.remote`, a keyed tier) if configured. The
-index, migrator and copy handlers are the engine's own (core/, migrator/, data/): the daemon
-adds no second implementation of eviction, demotion, recovery, puts or loads.
+The partition's tiers are a stack built by `build_stack(config, DAEMON)` from the same tier
+kinds as an engine's (tiered_cache.tiers): tier 0 is the shared host pool, tier 1 the disk tier
+if configured, and beneath them the remote store (`tiers.remote`, a keyed tier) if configured.
+The index, migrator, copy handlers and recovery are the engine's own: the daemon adds no
+second implementation of eviction, demotion, recovery, puts or loads.
 
 With a remote store, daemons on different nodes configured alike share prefixes through it:
 the tenant is part of every root (hashing.tenant_salt), hence of every server key, so tenant
 `a` of one node finds what tenant `a` of another wrote, and nothing of tenant `b`. A fetch that
 the local tiers end short asks the store which of the next blocks it holds (under
 `tiers.remote.lookup_deadline_ms`), and loads those into new pool slots of the hold
-(BlockIndex.load_after) when the cost model (if `model.num_params` is set) says loading beats
+(BlockIndex.keyed.load_after) when the cost model (if `model.num_params` is set) says loading beats
 recomputing; blocks published into the pool are put to the store in the background
 (`tiers.remote.write: on_host`).
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence as Seq
@@ -38,17 +38,13 @@ from collections.abc import Sequence as Seq
 import numpy as np
 import torch
 
-from tiered_cache import assembly, costs, kernels
+from tiered_cache import admission, kernels
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
 from tiered_cache.core.blocks import NO_BLOCK
-from tiered_cache.core.index import BlockIndex
-from tiered_cache.core.keyed import leading
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.core.tier import TierSpec
+from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import RecordMeta
-from tiered_cache.daemon.errors import DaemonError, register_error
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
 from tiered_cache.errors import (
     CapacityError,
     PromotionTimeout,
@@ -56,15 +52,12 @@ from tiered_cache.errors import (
     TransferError,
 )
 from tiered_cache.hashing import BlockHasher, Namespace
-from tiered_cache.migrator import Migrator, ThreadHealth
-from tiered_cache.sizing import tier_num_blocks
+from tiered_cache.tiers.base import DAEMON
+from tiered_cache.tiers.stack import build_stack, plan_asks
+from tiered_cache.wire.errors import DaemonError, register_error
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 log = logging.getLogger(__name__)
-
-POOL = 0
-"""The partition's fastest tier: the shared-memory pool (its BlockIndex's tier 0, as the device
-tier is an engine's); `tiers.disk`, when configured, is the next one (`POOL + 1`)."""
-REMOTE = 0          # the keyed tier's number (BlockIndex.keyed)
 
 
 @register_error
@@ -80,21 +73,6 @@ class BadEntryError(DaemonError, ValueError):
     the wrong length, depths out of order)."""
 
     wire_type = "bad_entry"
-
-
-class ShmHostPool:
-    """The partition's host tier for the copy handlers: a block-major `kv` over shared pages."""
-
-    kind = "host"
-    layout = "block_major"
-    where = "tiers.host"
-    scales = None
-    resizable = False
-
-    def __init__(self, shared: SharedPool) -> None:
-        self.shared = shared
-        self.kv = shared.kv
-        self.num_slots = shared.geometry.num_slots
 
 
 def _copy_slots(src: torch.Tensor, src_slots: list[int], dst: torch.Tensor,
@@ -114,78 +92,35 @@ def namespace_of(config: CacheConfig) -> Namespace:
                      model.head_dim, int(config.block_size), None)
 
 
+def partition_asks(config: CacheConfig, tenant: str) -> list[admission.Ask]:
+    """What one tenant's partition asks of the machine (its shared pool, its disk directory),
+    without building it: the daemon sums the partitions it builds at start."""
+    return plan_asks(config, DAEMON, hasher=BlockHasher(namespace_of(config)), tenant=tenant)
+
+
+def pool_bytes(config: CacheConfig) -> int:
+    """Shared memory one partition's pool takes (page-aligned slots)."""
+    return sum(a.nbytes for a in partition_asks(config, "-") if a.place == admission.RAM)
+
+
 class Partition:
-    """A tenant's tiers. Thread-safe: every method may run on any connection's thread."""
+    """A tenant's tiers. Thread-safe: every method may run on any connection's thread.
 
-    def __init__(self, tenant: str, config: CacheConfig) -> None:
+    `existing`: partitions the daemon already has (their pools are no longer available memory;
+    the admission check names them)."""
+
+    def __init__(self, tenant: str, config: CacheConfig, *, existing: int = 0) -> None:
         self.tenant = tenant
-        self.health = ThreadHealth()
-        model = config.model
-        self.block_size = bs = int(config.block_size)
-        self.num_layers = model.num_layers
+        self.block_size = int(config.block_size)
+        self.num_layers = config.model.num_layers
         self.hasher = BlockHasher(namespace_of(config))
-        self.geometry = PoolGeometry(tier_num_blocks(config, "host"), model.num_layers, bs,
-                                     model.num_kv_heads, model.head_dim, model.dtype)
-        self.shared = SharedPool.create(self.geometry, name=f"host-{tenant}")
-        self.pools: list = [ShmHostPool(self.shared)]
-        self.remote = None          # data/remote_tier.RemoteTier when tiers.remote is set
-        specs = [TierSpec("host", "host", self.geometry.num_slots)]
-        keyed: list[TierSpec] = []
-        try:
-            disk = config.tiers.disk
-            n_disk = tier_num_blocks(config, "disk") if disk is not None else 0
-            if n_disk:
-                from tiered_cache.data.disk_tier import DiskTier
-
-                path = os.path.join(disk.path, tenant)
-                self.pools.append(DiskTier(path, n_disk, host_kv=self.shared.kv,
-                                           host_scales=None, num_tokens=bs,
-                                           namespace=self.hasher.namespace_digest(),
-                                           o_direct=disk.o_direct,
-                                           max_slots=disk.max_num_blocks))
-                specs.append(TierSpec("disk", "disk", n_disk, persistent=True,
-                                      sync_target=False, admit_min_hits=disk.admit_min_hits))
-            self.costs = costs.from_config(config, [s.kind for s in specs])
-            remote = config.tiers.remote
-            if remote is not None:
-                from tiered_cache.data.remote_tier import RemoteTier, connect
-
-                store = connect(remote, namespace=self.hasher.namespace_digest(),
-                                num_tokens=bs, payload_bytes=config.block_bytes,
-                                cost=self.costs.tiers.get("remote") if self.costs else None)
-                self.remote = RemoteTier(store, host_kv=self.shared.kv, host_scales=None,
-                                         namespace=self.hasher.namespace_digest())
-                # NOTE: unstaged: a load lands straight in the pool slot the hold was given.
-                keyed.append(TierSpec("remote", "remote", 0, staged=False,
-                                      put_from=POOL if remote.write == "on_host" else None))
-            self.index = BlockIndex(specs, policy=assembly.policy_factory(config),
-                                    block_size=bs, num_layers=model.num_layers,
-                                    hasher=self.hasher, block_bytes=config.block_bytes,
-                                    verify_tokens=True, run=self._run, on_pressure=self._poke,
-                                    high_watermark=config.migrator.high_watermark,
-                                    keyed=keyed, worth=self._worth if self.costs else None)
-            from tiered_cache.data import disk_tier, remote_tier
-            from tiered_cache.data.executor import Executor
-
-            stores = [self.remote] if self.remote is not None else []
-            self.executor = Executor(self.pools + stores, [s.kind for s in specs + keyed])
-            for (src, dst), handler in (*disk_tier.HANDLERS.items(),
-                                        *remote_tier.HANDLERS.items()):
-                self.executor.register(src, dst, handler)
-            if len(specs) > 1:
-                assembly.recover(self.index, self.pools)
-            puts = [REMOTE] if keyed and keyed[0].put_from is not None else []
-            self.migrator = Migrator(self.index, self.executor, config.migrator, self.health,
-                                     put_tiers=puts)
-        except BaseException:
-            for pool in self.pools[1:]:
-                pool.close()
-            if self.remote is not None:
-                self.remote.close()
-            self.shared.close()
-            raise
-        self.lookup_deadline_s = remote.lookup_deadline_ms / 1e3 if remote else 0.0
-        self.lookahead = remote.lookahead_blocks if remote else 0
+        self.stack = stack = build_stack(
+            config, DAEMON, hasher=self.hasher, tenant=tenant,
+            admission_context=admission.partitions_context(1, existing, pool_bytes(config)))
+        self.index, self.pools, self.executor = stack.index, stack.pools, stack.executor
+        self.migrator, self.health, self.costs = stack.migrator, stack.health, stack.costs
+        self.shared: SharedPool = self.pools[DEVICE].shared   # the host kind's shared pool
+        self.geometry: PoolGeometry = self.shared.geometry
         self._roots: dict[bytes, tuple[int, bytes, str | None]] = {}  # key -> id, salt, adapter
         self._lock = threading.Lock()
         self.counters = {"fetches": 0, "fetched_blocks": 0, "fetch_misses": 0,
@@ -222,7 +157,7 @@ class Partition:
         tokens = tokens[:len(tokens) // self.block_size * self.block_size]
         root_id = self._root_id(root)
         found, remote_failed = self._hold(root, root_id, parent, tokens, wait_s,
-                                          self.remote is not None)
+                                          bool(self.stack.stores))
         if found is None and remote_failed:
             # NOTE: a block from the store failed its load (a corrupt or vanished record, a
             # dropped connection): what this node holds itself is still good, so that much is
@@ -270,21 +205,9 @@ class Partition:
 
     def _load_remote(self, seq: Sequence, root: bytes, parent: bytes,
                      tokens: np.ndarray) -> int:
-        """The hold ends before `tokens` do: ask the remote store for the next blocks (under
-        its lookup deadline, no lock held) and load those it has into the hold, if that beats
-        recomputing them (BlockIndex.load_after asks the cost model). Returns how many."""
-        bs = self.block_size
-        m = len(seq.blocks)
-        rest = tokens[m * bs:(m + self.lookahead) * bs]
-        keys = self.hasher.chain(seq.keys[m - 1] if m else parent, rest)
-        if not keys:
-            return 0
-        # NOTE: asked even while the store's breaker is open: it answers "absent" at once
-        # then, and lets one probe through after each backoff, which is how it comes back.
-        r = leading(self.remote.exists(root, keys, self.lookup_deadline_s))
-        if not r:
-            return 0
-        n = self.index.load_after(seq, REMOTE, parent, rest[:r * bs], keys[:r], self._promote)
+        """The hold ends before `tokens` do: the keyed tiers (the remote store) load the next
+        blocks they have into it, if that beats recomputing them. Returns how many."""
+        n = self.stack.load_after(seq, root, parent, tokens)
         self._count("remote_blocks", n)
         return n
 
@@ -300,8 +223,8 @@ class Partition:
 
     def publish(self, root: bytes, entries: Seq[dict], staging: SharedPool) -> list[bool]:
         """Copy staged blocks into the pool and index them (parents first). A block is taken
-        only if its chained key, parent and tokens check out (BlockIndex.adopt); the rest are
-        answered False and cost nothing."""
+        only if its chained key, parent and tokens check out (BlockIndex.persist.adopt); the
+        rest are answered False and cost nothing."""
         root_id = self._root_id(root)
         n_staging = staging.geometry.num_slots
         nbytes = 4 * self.block_size
@@ -328,19 +251,19 @@ class Partition:
             self._count("duplicate_blocks", len(entries))
             return taken
         try:
-            lent = self.index.lend(POOL, len(new))
+            lent = self.index.persist.lend(DEVICE, len(new))
         except CapacityError:
             self._count("rejected_blocks", len(entries))
             return taken
         try:
             _copy_slots(staging.kv, [entries[i]["slot"] for i in new], self.shared.kv, lent)
         except BaseException:
-            self.index.unlend(POOL, lent)
+            self.index.persist.unlend(DEVICE, lent)
             raise
         metas = [(slot, RecordMeta(entries[i]["key"], entries[i]["parent"], root,
                                    entries[i]["depth"], entries[i]["tokens"],
                                    entries[i]["hits"])) for i, slot in zip(new, lent)]
-        adopted = self.index.adopt(POOL, root_id, metas)
+        adopted = self.index.persist.adopt(DEVICE, root_id, metas)
         for i, b in zip(new, adopted):
             taken[i] = b != NO_BLOCK
         if self.migrator.put_tiers:
@@ -355,36 +278,16 @@ class Partition:
         root_id = self._root_id(root)
         with self._lock:
             _, salt, adapter = next(v for v in self._roots.values() if v[0] == root_id)
-        n = self.index.invalidate(tokens, salt=salt, adapter_id=adapter)
-        if self.remote is not None:
-            self.remote.delete(root, self.hasher.chain(root, tokens))
-        return n
-
-    # data plane hooks -------------------------------------------------------------------------
-
-    def _run(self, plan) -> None:
-        self.executor.run(plan)
-
-    def _worth(self, tier: int, nblocks: int, context_blocks: int) -> bool:
-        """Loading `nblocks` from `tier` beats recomputing them (the cost model)."""
-        return self.costs.worth_blocks(self.index.tier_name(tier), nblocks, context_blocks,
-                                       block_bytes=self.index.block_bytes,
-                                       block_size=self.block_size)
-
-    def _poke(self) -> None:
-        self.migrator.poke()
+        return (self.index.invalidate(tokens, salt=salt, adapter_id=adapter)
+                + self.stack.invalidate_keyed(root, tokens))
 
     def _promote(self, plan, readiness) -> None:
-        assembly.promote(self.index, self.executor, self.migrator, plan, readiness)
+        self.stack.promote(plan, readiness)
 
     # lifetime ---------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        out = self.index.stats()
-        if self.remote is not None:
-            out["tiers"]["remote"]["store"] = self.remote.stats()
-        out["copies"] = self.migrator.copy_stats()
-        out["threads"] = self.health.summary()
+        out = self.stack.stats(self.index.stats())
         with self._lock:
             out["daemon"] = dict(self.counters, roots=len(self._roots))
         return out
@@ -395,9 +298,10 @@ class Partition:
         if len(self.index.tiers) < 2:
             return 0
         written = 0
-        blocks = self.index.blocks_in(POOL)
+        blocks = self.index.persist.blocks_in(DEVICE)
         for first in range(0, len(blocks), 256):
-            plan = moves.plan_copy_down(self.index, blocks[first:first + 256], POOL, POOL + 1)
+            plan = moves.plan_copy_down(self.index, blocks[first:first + 256], DEVICE,
+                                        DEVICE + 1)
             ok = False
             try:
                 self.executor.run(plan)
@@ -414,18 +318,14 @@ class Partition:
         if self._closed:
             return
         self._closed = True
-        self.migrator.stop()
+        self.stack.stop_workers()
         for seq in self.index.open_sequences():
             self.index.close(seq, timeout=5.0)
         if drain:
             n = self.drain()
             if n:
                 log.info("%s: %d blocks written to disk before stopping", self.tenant, n)
-        assembly.close_persistent(self.index, self.pools)
-        if self.remote is not None:
-            self.remote.flush(5.0)          # puts queued before the stop reach the server
-            self.remote.close()
-        self.shared.close()
+        self.stack.close()
 
     def describe(self) -> str:
         return json.dumps({"tenant": self.tenant, "slots": self.geometry.num_slots,

@@ -1,4 +1,4 @@
-"""The node service: the handlers of daemon/ops.py over the tenants' partitions.
+"""The node service: the handlers of wire/ops.py over the tenants' partitions.
 
 Who a client is comes from the kernel (SO_PEERCRED, checked against the allowlist by the
 transport); which tenant it belongs to from `daemon.tenants` ("uid:N" / "gid:N" -> name; by
@@ -24,17 +24,18 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered_cache import admission
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.daemon.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
 from tiered_cache.daemon.leases import LeaseTable
-from tiered_cache.daemon.ops import make_protocol
-from tiered_cache.daemon.partition import Partition, namespace_of
-from tiered_cache.daemon.peer import Allowlist, Peer
-from tiered_cache.daemon.protocol import Request
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
-from tiered_cache.daemon.transport import Response, Server, ServerConfig
+from tiered_cache.daemon.partition import Partition, namespace_of, partition_asks, pool_bytes
 from tiered_cache.hashing import BlockHasher, tenant_salt
+from tiered_cache.wire.errors import LeaseExpiredError, OverloadedError, UnauthorizedError
+from tiered_cache.wire.ops import make_protocol
+from tiered_cache.wire.peer import Allowlist, Peer
+from tiered_cache.wire.protocol import Request
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
+from tiered_cache.wire.transport import Response, Server, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,12 @@ class NodeService:
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         d = config.daemon
+        tenants = self._known_tenants()
+        # every partition built at start, checked together before the first is allocated
+        admission.check([a for t in tenants for a in partition_asks(config, t)],
+                        config.overcommit,
+                        context=admission.partitions_context(len(tenants), 0,
+                                                             pool_bytes(config)))
         self.namespace = BlockHasher(namespace_of(config)).namespace_digest()
         self.partitions: dict[str, Partition] = {}
         self._build = threading.Lock()
@@ -73,14 +80,18 @@ class NodeService:
                                           socket_mode=d.socket_mode),
                              disconnected=self._disconnected)
         self.started = time.time()
-        # Partitions are built at start for every tenant that can be known in advance (so that
-        # a client's hello does not wait for a pool to be mapped and a disk to be recovered):
-        # the configured ones, and the daemon's own user's when only it is admitted.
-        tenants = set(d.tenants.values())
-        if allow is None:
-            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
-        for tenant in sorted(tenants):
+        for tenant in tenants:
             self.partition(tenant)
+
+    def _known_tenants(self) -> list[str]:
+        """Partitions are built at start for every tenant that can be known in advance (so that
+        a client's hello does not wait for a pool to be mapped and a disk to be recovered):
+        the configured ones, and the daemon's own user's when only it is admitted."""
+        d = self.config.daemon
+        tenants = set(d.tenants.values())
+        if not d.allow_uids and not d.allow_gids:
+            tenants.add(self.tenant_of(Peer(0, 0, os.geteuid(), os.getegid())))
+        return sorted(tenants)
 
     # lifetime ---------------------------------------------------------------------------------
 
@@ -109,7 +120,7 @@ class NodeService:
         with self._build:
             found = self.partitions.get(tenant)
             if found is None:
-                found = Partition(tenant, self.config)
+                found = Partition(tenant, self.config, existing=len(self.partitions))
                 self.partitions[tenant] = found
                 log.info("partition %s", found.describe())
             return found

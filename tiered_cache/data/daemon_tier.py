@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 from tiered_cache.core.transfer import Transfer
-from tiered_cache.daemon.client import Client
-from tiered_cache.daemon.errors import DaemonError, LeaseExpiredError
-from tiered_cache.daemon.ops import MAX_BLOCKS, make_protocol
-from tiered_cache.daemon.shm import PoolGeometry, SharedPool
 from tiered_cache.data.disk_tier import CorruptBlocks
 from tiered_cache.errors import TransferError
+from tiered_cache.wire.client import Client
+from tiered_cache.wire.errors import DaemonError, LeaseExpiredError
+from tiered_cache.wire.ops import MAX_BLOCKS, make_protocol
+from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,8 @@ _MAX_ROOTS = 1 << 16
 
 
 class DaemonTier:
-    """The `daemon` tier's pool: a connection to the node daemon and its two mappings."""
+    """The daemon tier's pool: a connection to the node daemon and its two mappings."""
 
-    kind = "daemon"
     layout = "record"
     scales = None
 
@@ -412,9 +411,3 @@ def daemon_to_gpu(src: DaemonTier, dst, transfers, layers, nb) -> None:
 
 def gpu_to_daemon(src, dst: DaemonTier, transfers, layers, nb) -> None:
     dst.put(src, transfers)
-
-
-HANDLERS = {
-    ("daemon", "gpu"): daemon_to_gpu,
-    ("gpu", "daemon"): gpu_to_daemon,
-}

@@ -80,6 +80,12 @@ def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+def slot_footprint(num_tokens: int, payload_bytes: int) -> int:
+    """Bytes one slot takes on disk: its header area plus its payload area, each rounded up to
+    ALIGN. A disk tier's capacity is divided by this, never by the KV bytes of a block."""
+    return round_up(records.header_len(num_tokens), ALIGN) + round_up(payload_bytes, ALIGN)
+
+
 @dataclass(frozen=True, slots=True)
 class Layout:
     """What a pool's files look like: one namespace, one block geometry."""
@@ -95,6 +101,10 @@ class Layout:
     @property
     def header_stride(self) -> int:
         return round_up(self.header_bytes, ALIGN)
+
+    @property
+    def slot_bytes(self) -> int:
+        return slot_footprint(self.num_tokens, self.payload_bytes)
 
     @property
     def payload_stride(self) -> int:

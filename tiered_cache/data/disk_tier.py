@@ -24,7 +24,7 @@ import torch
 
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.data.disk import CorruptSlots, DiskPool
-from tiered_cache.errors import TransferError
+from tiered_cache.errors import TierUnavailableError, TransferError
 from tiered_cache.records import RecordHeader, encode_header, payload_hash
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,8 @@ class CorruptBlocks(TransferError):
 
 
 class DiskTier:
-    """The `disk` tier's pool: `num_slots` record slots of one host block each."""
+    """The disk tier's pool: `num_slots` record slots of one host block each."""
 
-    kind = "disk"
     layout = "record"
     scales = None
     where = "tiers.disk"
@@ -96,8 +95,6 @@ class DiskTier:
 
     def check_resize(self, num_slots: int) -> None:
         if num_slots < self.num_slots:
-            from tiered_cache.errors import TierUnavailableError
-
             raise TierUnavailableError(
                 "tiers.disk: shrinking the disk tier while serving is not supported; restart "
                 "with a smaller num_blocks (records in the slots cut off are dropped)")
@@ -217,10 +214,3 @@ def disk_to_host(src: DiskTier, dst, transfers: list[Transfer], layers, nb) -> N
     if bad:
         raise CorruptBlocks([t.block for t in transfers if t.src_slot in bad],
                             f"disk slots {sorted(bad)[:8]} failed verification")
-
-
-HANDLERS = {
-    ("host", "disk"): host_to_disk,
-    ("gpu", "disk"): gpu_to_disk,
-    ("disk", "host"): disk_to_host,
-}

@@ -2,8 +2,9 @@
 (source kind, destination kind) — the role of vLLM's `OffloadingWorker.register_handler`.
 
 A plan is plain data (core/transfer.py); the executor groups it into runs of slots per tier
-pair and calls the handler of the pair's pool kinds. A new tier kind brings its pool and its
-handlers; nothing else changes. `NullExecutor` stands in for `storage: none`.
+pair and calls the handler of the pair's pool kinds. Every handler is registered by a tier kind
+(tiered_cache.tiers: the kind declares which pairs it brings); the memory tiers' handlers are
+here, the others beside their pools. `NullExecutor` stands in for `storage: none`.
 
 On a GPU the handlers enqueue on the current CUDA stream (the migrator sets its copy stream);
 pinned host <-> device copies are asynchronous.
@@ -30,8 +31,6 @@ class Executor:
         self.pools = list(pools)
         self.kinds = list(kinds)
         self.handlers: dict[tuple[str, str], Handler] = {}
-        for (src, dst), handler in DEFAULT_HANDLERS.items():
-            self.register(src, dst, handler)
 
     def register(self, src_kind: str, dst_kind: str, handler: Handler) -> None:
         self.handlers[(src_kind, dst_kind)] = handler
@@ -118,13 +117,3 @@ def within_pool(src, dst, transfers, layers, nb) -> None:
             a[:, :, di] = a[:, :, si]
         else:
             a[di] = a[si]
-
-
-DEFAULT_HANDLERS: dict[tuple[str, str], Handler] = {
-    ("gpu", "host"): gpu_to_host,
-    ("host", "gpu"): host_to_gpu,
-    ("gpu", "gpu"): within_pool,
-    ("host", "host"): within_pool,
-}
-"""Memory tiers. A tier kind with its own pool registers its handlers beside these
-(`Executor.register`; the disk tier's are in data/disk_tier.py)."""

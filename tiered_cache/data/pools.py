@@ -368,14 +368,37 @@ def _available_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
-def make_pool(kind: str, num_slots: int, *, num_layers: int, block_size: int, num_kv_heads: int,
-              head_dim: int, dtype: str, device: str = "cpu", memory: str = "pageable",
-              max_slots: int | None = None, segment_slots: int | None = None,
-              resizable: bool = False):
+def make_pool(layout: str, num_slots: int, *, num_layers: int, block_size: int,
+              num_kv_heads: int, head_dim: int, dtype: str, device: str = "cpu",
+              memory: str = "pageable", max_slots: int | None = None,
+              segment_slots: int | None = None, resizable: bool = False):
+    """A `DevicePool` (layout `layer_major`, on `device`) or a `HostPool` (`block_major`, in
+    `memory`) of `num_slots` slots; `dtype` is a KV dtype name (TORCH_DTYPES)."""
+    if layout not in (DevicePool.layout, HostPool.layout):
+        raise ValueError(f"layout: expected {DevicePool.layout!r} or {HostPool.layout!r}, "
+                         f"got {layout!r}")
     torch_dtype = TORCH_DTYPES[dtype]
-    if kind == "gpu":
+    if layout == DevicePool.layout:
         return DevicePool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype,
                           device, max_slots=max_slots, segment_slots=segment_slots,
                           resizable=resizable)
     return HostPool(num_slots, num_layers, block_size, num_kv_heads, head_dim, torch_dtype, memory,
                     max_slots=max_slots, segment_slots=segment_slots)
+
+
+class SharedHostPool:
+    """The node daemon's host tier: a block-major pool over shared memory that engines map
+    (`tiered_cache.wire.shm.SharedPool`); fixed size, no FP8 scales."""
+
+    layout = HostPool.layout
+    where = "tiers.host"
+    scales = None
+    resizable = False
+
+    def __init__(self, shared) -> None:
+        self.shared = shared
+        self.kv = shared.kv
+        self.num_slots = shared.geometry.num_slots
+
+    def close(self) -> None:
+        self.shared.close()

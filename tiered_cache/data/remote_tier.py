@@ -14,61 +14,22 @@ Lookups (`exists`) are the facade's, under the configured deadline, outside the 
 from __future__ import annotations
 
 import logging
-import os
 from collections import defaultdict
 
 import numpy as np
 import torch
 
 from tiered_cache import records
-from tiered_cache.config import RemoteTierConfig
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.data.disk_tier import CorruptBlocks
-from tiered_cache.errors import ConfigError
 from tiered_cache.stores.base import KeyedStore
 
 log = logging.getLogger(__name__)
 
 
-def connect(remote: RemoteTierConfig, *, namespace: bytes, num_tokens: int, payload_bytes: int,
-            cost=None) -> KeyedStore:
-    """The store `tiers.remote` names (redis-py). An unreachable server is not an error: the
-    store starts unverified and its breaker probes the server again later."""
-    from tiered_cache.stores.base import StoreUnavailableError
-
-    try:
-        from tiered_cache.stores.redis import RedisStore
-    except ImportError as exc:
-        raise ConfigError("tiers.remote", f"needs redis-py: pip install "
-                                          f"'tiered-cache[remote]' ({exc})") from None
-    password = remote.password
-    if remote.password_env is not None:
-        password = os.environ.get(remote.password_env)
-        if password is None:
-            raise ConfigError("tiers.remote.password_env",
-                              f"environment variable {remote.password_env!r} is not set")
-    url = remote.url.replace("valkey://", "redis://", 1).replace("valkeys://", "rediss://", 1)
-    kw = dict(namespace=namespace, num_tokens=num_tokens,
-              cluster=remote.cluster, username=remote.username, password=password,
-              ssl_ca_certs=remote.tls_ca, ssl_certfile=remote.tls_cert,
-              ssl_keyfile=remote.tls_key, ssl_check_hostname=remote.tls_check_hostname,
-              prefix=remote.prefix,
-              ttl_s=int(remote.ttl_s) if remote.ttl_s is not None else None,
-              put_queue_bytes=remote.put_queue_mib << 20,
-              record_bytes=records.header_len(num_tokens) + payload_bytes, cost=cost)
-    try:
-        return RedisStore(url, verify=True, **kw)
-    except StoreUnavailableError as exc:
-        # NOTE: an unreachable server is not a reason not to serve: the cache starts on its
-        # local tiers and the store's breaker probes the server again later.
-        log.warning("tiers.remote: %s; serving from the local tiers until it answers", exc)
-        return RedisStore(url, verify=False, **kw)
-
-
 class RemoteTier:
-    """The `remote` tier's pool: a shared store of block records."""
+    """The remote tier's pool: a shared store of block records (built by tiers/remote.py)."""
 
-    kind = "remote"
     layout = "record"
     scales = None
 
@@ -148,9 +109,3 @@ def host_to_remote(src, dst: RemoteTier, transfers: list[Transfer], layers, nb) 
             items.append((m.key, records.encode(dst.namespace, m.key, m.parent, m.root,
                                                 m.depth, m.tokens, m.hits, payload)))
         dst.store.put_async(root, items)
-
-
-HANDLERS = {
-    ("remote", "host"): remote_to_host,
-    ("host", "remote"): host_to_remote,
-}

@@ -16,14 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from tiered_cache.errors import ConfigError
+from tiered_cache.errors import InsufficientMemoryError
 from tiered_cache.sizing import format_bytes
 
 HOST = "host"
 
-
-class InsufficientMemoryError(ConfigError):
-    """What a config asks for does not fit in this machine's memory; nothing was allocated."""
+__all__ = ["Allocation", "InsufficientMemoryError", "available_bytes", "check_fits"]
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,9 @@ def make_plan(config: CacheConfig, gpu_free: int | None = None,
         names.append(("disk", disk_free))
     for name, free in names:
         n = sizing.tier_num_blocks(config, name, free)
-        tiers.append(TierPlan(name, n, n * block, n * config.block_size))
+        # bytes where the tier lives: on disk a slot also takes its header and alignment
+        tiers.append(TierPlan(name, n, n * sizing.tier_slot_bytes(config, name),
+                              n * config.block_size))
     notes = []
     host = tiers[1]
     if host.num_blocks == 0:

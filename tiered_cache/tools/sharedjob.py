@@ -188,7 +188,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from tiered_cache.daemon.testing import NodeProcess
+    from tiered_cache.daemon.process import NodeProcess
     from tiered_cache.sizing import tier_num_blocks
 
     t_start = time.perf_counter()

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tiered_cache import costs
 from tiered_cache.errors import ConfigError
 
 MODEL_70B: dict[str, Any] = {
@@ -64,8 +65,10 @@ class CostModel:
                    bytes_per_token=m.bytes_per_token, **kw)
 
     def prefix_flops(self, n: float) -> float:
-        """FLOPs to compute the KV of a prefix of n tokens."""
-        return 2.0 * self.num_params * n + 2.0 * self.num_layers * self.hidden * n * n
+        """FLOPs to compute the KV of a prefix of n tokens (tiered_cache.costs' FLOPs, with
+        the attention pairs of the prefix taken as n^2 / 2)."""
+        return (costs.linear_flops(self.num_params, n)
+                + costs.attention_flops(self.num_layers, self.hidden, n * n / 2))
 
     def compute_seconds(self, n: float) -> float:
         """Seconds to compute the KV of a prefix of n tokens."""

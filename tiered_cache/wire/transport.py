@@ -46,7 +46,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiered_cache.daemon.errors import (
+from tiered_cache.errors import ConfigError
+from tiered_cache.wire.errors import (
     DaemonError,
     DaemonRunningError,
     FrameTooLargeError,
@@ -55,10 +56,9 @@ from tiered_cache.daemon.errors import (
     ProtocolError,
     UnauthorizedError,
 )
-from tiered_cache.daemon.framing import FrameBuffer, TruncatedFrame, set_timeouts
-from tiered_cache.daemon.peer import Allowlist, Peer, peer_credentials
-from tiered_cache.daemon.protocol import WELCOME_OP, Protocol, Request
-from tiered_cache.errors import ConfigError
+from tiered_cache.wire.framing import FrameBuffer, TruncatedFrame, set_timeouts
+from tiered_cache.wire.peer import Allowlist, Peer, peer_credentials
+from tiered_cache.wire.protocol import WELCOME_OP, Protocol, Request
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ import stat
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.daemon.protocol import Int, Str
+from tiered_cache.wire.protocol import Int, Str
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 # hands out its fd and never touches its bytes, so it starts without paying torch's import.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8_e4m3": 1}
 """The pool dtypes (tiered_cache.data.pools.TORCH_DTYPES's names) and their widths."""
+TORCH_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+               "fp8_e4m3": "float8_e4m3fn"}
+"""The torch dtype of each pool dtype, by name (torch is imported only for a tensor view)."""
 
 PAGE = mmap.PAGESIZE
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
@@ -85,8 +88,9 @@ class PoolGeometry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        from tiered_cache.data.pools import TORCH_DTYPES
-        return TORCH_DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, TORCH_NAMES[self.dtype])
 
     @property
     def slot_shape(self) -> tuple[int, int, int, int, int]:
@@ -153,7 +157,7 @@ class SharedPool:
         return self._kv
 
     @classmethod
-    def create(cls, geometry: PoolGeometry, *, name: str = "host",
+    def create(cls, geometry: PoolGeometry, *, name: str = "pool",
                populate: bool = True) -> SharedPool:
         """A new, zeroed pool in a sealed memfd (mode 0600, close-on-exec)."""
         fd = os.memfd_create(f"tiered-cache-{name}",

@@ -1,6 +1,6 @@
 """The node daemon's operations (protocol version 1): what an engine process may ask.
 
-Every request and reply is a flat msgpack map checked field by field (daemon/protocol.py); the
+Every request and reply is a flat msgpack map checked field by field (wire/protocol.py); the
 schemas below are the documentation of the wire format (docs/daemon.md renders them).
 
 A session::
@@ -26,7 +26,7 @@ another tenant's blocks; and each tenant's pool is its own memfd, so no mapping 
 
 from __future__ import annotations
 
-from tiered_cache.daemon.protocol import (
+from tiered_cache.wire.protocol import (
     MAX_ID,
     Bool,
     Bytes,
@@ -41,7 +41,7 @@ from tiered_cache.daemon.protocol import (
     Struct,
     key,
 )
-from tiered_cache.daemon.shm import GEOMETRY_FIELDS
+from tiered_cache.wire.shm import GEOMETRY_FIELDS
 
 MAX_BLOCKS = 4096           # blocks in one fetch, lookup or publish
 MAX_TOKENS = 1 << 20        # token ids in one request (4 MiB)

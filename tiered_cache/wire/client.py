@@ -29,7 +29,7 @@ from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tiered_cache.daemon.errors import (
+from tiered_cache.wire.errors import (
     DaemonError,
     DaemonTimeoutError,
     DaemonUnavailableError,
@@ -37,8 +37,8 @@ from tiered_cache.daemon.errors import (
     LeaseExpiredError,
     ProtocolError,
 )
-from tiered_cache.daemon.framing import FrameBuffer, set_timeouts
-from tiered_cache.daemon.protocol import WELCOME_OP, Protocol, Reply
+from tiered_cache.wire.framing import FrameBuffer, set_timeouts
+from tiered_cache.wire.protocol import WELCOME_OP, Protocol, Reply
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from tiered_cache.daemon.errors import (
+from tiered_cache.wire.errors import (
     MAX_ERROR_MESSAGE,
     MAX_ERROR_TYPE,
     DaemonError,

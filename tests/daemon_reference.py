@@ -1,11 +1,12 @@
-"""A reference daemon over the foundations, run as a real process by the tests and benchmarks.
+"""A reference daemon over the wire layer, run as a real process by the tests and benchmarks
+(not part of the wheel: benchmarks import it with the repository root on sys.path).
 
 It wires protocol, transport, leases and (with `--pool`) the shared pool together the way the
 node service will, with ops that expose what the tests check: who the peer is (SO_PEERCRED),
 the server's counters, the disconnect and lease-expiry events, and the pool's fd. It holds no
 KV index; it is not the service.
 
-    python -m tiered_cache.daemon.testing --socket DIR/daemon.sock [--allow-uid N] \\
+    python tests/daemon_reference.py --socket DIR/daemon.sock [--allow-uid N] \\
         [--lease-s 10] [--max-frame 1048576] [--pool SLOTS,LAYERS,BLOCK,HEADS,DIM,DTYPE]
 
 It prints `READY <pid>` once it listens and stops gracefully on SIGTERM or SIGINT.
@@ -16,9 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import select
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,10 +25,11 @@ from collections.abc import Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.daemon.errors import DaemonError, LeaseExpiredError, register_error
 from tiered_cache.daemon.leases import LeaseTable
-from tiered_cache.daemon.peer import Allowlist, Peer
-from tiered_cache.daemon.protocol import (
+from tiered_cache.daemon.process import DaemonProcess
+from tiered_cache.wire.errors import DaemonError, LeaseExpiredError, register_error
+from tiered_cache.wire.peer import Allowlist, Peer
+from tiered_cache.wire.protocol import (
     DEFAULT_MAX_FRAME,
     MAX_ID,
     Bool,
@@ -47,8 +47,8 @@ from tiered_cache.daemon.protocol import (
     Struct,
     key,
 )
-from tiered_cache.daemon.shm import GEOMETRY_FIELDS, PoolGeometry, SharedPool
-from tiered_cache.daemon.transport import Response, Server, ServerConfig
+from tiered_cache.wire.shm import GEOMETRY_FIELDS, PoolGeometry, SharedPool
+from tiered_cache.wire.transport import Response, Server, ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class ReferenceService:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tiered_cache.daemon.testing")
+    ap = argparse.ArgumentParser(prog="python tests/daemon_reference.py")
     ap.add_argument("--socket", required=True)
     ap.add_argument("--allow-uid", type=int, action="append", default=None)
     ap.add_argument("--allow-gid", type=int, action="append", default=[])
@@ -195,89 +195,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-class ServerProcess:
+class ServerProcess(DaemonProcess):
     """The reference daemon in a subprocess, for tests and benchmarks: started by `start()`
     (which returns once it listens), stopped with SIGTERM by `stop()` or killed by `kill()`."""
 
-    def __init__(self, socket_path: str | os.PathLike[str], *args: str,
-                 log_path: str | os.PathLike[str] | None = None) -> None:
-        self.socket_path = str(socket_path)
-        self.args = list(args)
-        self.log_path = Path(log_path) if log_path else Path(f"{self.socket_path}.log")
-        self.proc: subprocess.Popen[str] | None = None
+    what = "reference daemon"
 
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+    def command(self) -> list[str]:
+        return [sys.executable, str(Path(__file__).resolve()), "--socket", self.socket_path,
+                *self.args]
 
     def start(self, timeout_s: float = 60.0) -> ServerProcess:
-        with open(self.log_path, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tiered_cache.daemon.testing", "--socket",
-                 self.socket_path, *self.args],
-                stdout=subprocess.PIPE, stderr=err, text=True)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("READY"):
-            self.kill()
-            raise RuntimeError(f"reference daemon did not start: {line!r}\n{self.log()}")
-        return self
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM and wait; the exit status."""
-        if self.proc is None:
-            return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        finally:
-            self._close()
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
-            self._close()
-
-    def _close(self) -> None:
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def __enter__(self) -> ServerProcess:
-        return self.start() if self.proc is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.stop()
-
-
-class NodeProcess(ServerProcess):
-    """The real node daemon (`python -m tiered_cache serve --config PATH`) in a subprocess,
-    for tests and benchmarks: `start()` returns once it listens (it prints READY)."""
-
-    def __init__(self, config_path: str | os.PathLike[str], socket_path: str, *args: str,
-                 log_path: str | os.PathLike[str] | None = None) -> None:
-        super().__init__(socket_path, *args, log_path=log_path)
-        self.config_path = str(config_path)
-
-    def start(self, timeout_s: float = 120.0) -> NodeProcess:
-        with open(self.log_path, "ab") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tiered_cache", "serve", "--config", self.config_path,
-                 *self.args], stdout=subprocess.PIPE, stderr=err, text=True)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("READY"):
-            self.kill()
-            raise RuntimeError(f"node daemon did not start: {line!r}\n{self.log()}")
+        super().start(timeout_s)
         return self
 
 

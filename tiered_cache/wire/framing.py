@@ -16,7 +16,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from tiered_cache.daemon.protocol import frame_length
+from tiered_cache.wire.protocol import frame_length
 
 BUFFER_BYTES = 64 * 1024
 

@@ -1,0 +1,115 @@
+"""Where blocks' copies are: the slot mutations moves are built from (`BlockIndex.copies`).
+
+A part of `BlockIndex` (core/index.py), reaching the block state through its owner `ix`. A
+block gains a copy (`set_slot`), moves one to another tier (`move_copy`) or slot (`remap`),
+loses one (`clear_slot`, `drop_if_uncached`); a copy that reads a block runs between
+`begin_move` and `end_move`. Each keeps every count and the candidate sets exact, so callers
+(core/moves.py, the owner's promotions and evictions) never touch a field. The lock is held by
+the caller of every method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+
+if TYPE_CHECKING:
+    from tiered_cache.core.index import BlockIndex
+
+
+@dataclass(slots=True, eq=False, repr=False)
+class Copies:
+    ix: BlockIndex                  # the owner: block state, `_refresh`, `_release`
+
+    def set_slot(self, b: int, t: int, slot: int) -> None:
+        """b gains a copy in `slot` of tier t (already allocated)."""
+        ix = self.ix
+        ix._slots[t][b] = slot
+        tier = ix.tiers[t]
+        tier.owner[slot] = b
+        if ix._ref[b]:
+            tier.pinned_blocks += 1
+        p = ix._parent[b]
+        if ix._key[b] is not None and p != NO_BLOCK:
+            ix._kids[t][p] += 1
+            ix._refresh(p)
+        ix._refresh(b)
+
+    def move_copy(self, b: int, src: int, dst: int, slot: int) -> None:
+        """b's copy leaves tier src for `slot` of tier dst: set_slot + clear_slot in one
+        step, so b and its parent are re-derived once (the demotion hot path)."""
+        ix = self.ix
+        s_tier, d_tier = ix.tiers[src], ix.tiers[dst]
+        s_slots = ix._slots[src]
+        s_tier.give_back(s_slots[b])
+        s_slots[b] = NO_SLOT
+        ix._slots[dst][b] = slot
+        d_tier.owner[slot] = b
+        if ix._ref[b]:
+            s_tier.pinned_blocks -= 1
+            d_tier.pinned_blocks += 1
+        p = ix._parent[b]
+        if ix._key[b] is not None and p != NO_BLOCK:
+            ix._kids[src][p] -= 1
+            ix._kids[dst][p] += 1
+            ix._refresh(p)
+        ix._refresh(b)
+
+    def clear_slot(self, b: int, t: int) -> None:
+        """b's copy in tier t goes (its slot is freed)."""
+        ix = self.ix
+        tier = ix.tiers[t]
+        mine = ix._slots[t]
+        tier.give_back(mine[b])
+        mine[b] = NO_SLOT
+        if ix._ref[b]:
+            tier.pinned_blocks -= 1
+        p = ix._parent[b]
+        if ix._key[b] is not None and p != NO_BLOCK:
+            ix._kids[t][p] -= 1
+            ix._refresh(p)
+        ix._refresh(b)
+
+    def remap(self, b: int, t: int, slot: int) -> None:
+        """b's copy in tier t moves to `slot` of the same tier (already reserved by the
+        compactor); counts and candidacy are unchanged."""
+        ix = self.ix
+        tier = ix.tiers[t]
+        mine = ix._slots[t]
+        tier.give_back(mine[b])
+        mine[b] = slot
+        tier.owner[slot] = b
+
+    def drop_if_uncached(self, b: int) -> None:
+        """Unpublish b (and what hangs below it) once it holds no copy anywhere."""
+        ix = self.ix
+        if ix.blocks.fastest_tier(b) < 0 and ix._key[b] is not None:
+            ix.counters.dropped_blocks += ix._drop_subtree(b)
+
+    def begin_move(self, b: int) -> None:
+        """A copy that reads b's current copies starts: b is in flight (no policy offers it,
+        nothing frees it) until `end_move`."""
+        ix = self.ix
+        ix._flight[b] += 1
+        busy = 0
+        for tier, s in zip(ix.tiers, ix._slots):
+            if s[b] != NO_SLOT:
+                busy |= 1 << tier.index
+                tier.busy += 1
+        ix.blocks.busy_tiers[b] = busy
+        ix._refresh(b)
+
+    def end_move(self, b: int) -> None:
+        ix = self.ix
+        busy = ix.blocks.busy_tiers[b]
+        for tier in ix.tiers:
+            if busy >> tier.index & 1:
+                tier.busy -= 1
+        ix.blocks.busy_tiers[b] = 0
+        ix._flight[b] -= 1
+        if ix._key[b] is None and ix._ref[b] == 0 and ix._flight[b] == 0:
+            ix._release(b)              # dropped while in flight
+        else:
+            ix._refresh(b)
