@@ -69,9 +69,9 @@ REKEY = 64
 """Candidates re-keyed per hook call after a switch of expert."""
 
 WALK = 64
-"""Blocks a walk takes in its first segment (see `_walk`): a request's new chain of up to WALK
-blocks costs one compiled walk and one call of the duel; a walk that stops at an announced
-block (a chain evicted leaf by leaf) steps through at most WALK blocks more than it must."""
+"""Blocks a walk takes in its first segment, in Python (see `_walk`): a request's new chain of
+up to WALK blocks costs one call of the duel; a walk that stops at an announced block (a chain
+evicted leaf by leaf) steps through at most WALK blocks more than it must."""
 
 PROBE = 8
 """Each later segment of a walk is PROBE times the one before."""
@@ -117,7 +117,7 @@ class AdaptivePolicy(PriorityPolicy):
         self._calls = 0                     # access and insert calls (paces switches)
         self._switched_at = -1              # `_calls` at the last switch (-1: none yet)
         self._single = len(self.blocks.slots) == 1
-        self._out = np.empty(2 * WALK + 1, np.int64)   # the walk's scratch
+        self._out = np.empty(2 * WALK * PROBE + 1, np.int64)   # the compiled walk's scratch
         if self.pinned is not None:
             self.duel.fixed = [e.name for e in self.experts].index(self.pinned)
             self.duel.choice = self.duel.fixed
@@ -324,53 +324,65 @@ class AdaptivePolicy(PriorityPolicy):
         (up to the first block that was hit before, or announced to the duel already) to the
         duel, root first.
 
-        NOTE: the chain is walked by a compiled loop over the table (`duel_kernels.walk_up`)
-        in segments of WALK, WALK * PROBE, ... blocks; a segment that does not end the chain
-        is checked for announced blocks before the next (so a chain evicted leaf by leaf is
-        not walked again); the duel then takes the sampled ones in one call."""
+        NOTE: the first WALK blocks are walked here (a request's new chain is short, and a
+        compiled call costs as much as a few dozen steps); a longer chain by a compiled loop
+        over the table (`duel_kernels.walk_up`) in segments of WALK * PROBE, WALK * PROBE**2,
+        ... blocks, each segment checked for announced blocks before the next (so a chain
+        evicted leaf by leaf is not walked again); the duel takes the sampled ones in one
+        call (`walk_publish`)."""
         t = self.blocks
         duel = self.duel
         la = t.last_access
         if la[b] > self._now:
             self._now = la[b]
-        key, mask = t.key, duel.mask
-        par, hits, lav = t.view("parent"), t.view("hits"), t.view("last_access")
-        out, limit, start = self._out, WALK, b
+        key, hits, parent = t.key, t.hits, t.parent
+        start = b
         ids: list[int] = []
-        keys: list[bytes] = []
-        while True:
-            if len(out) <= limit:
-                out = self._out = np.empty(2 * limit + 1, np.int64)
-            m = walk_up(par, hits, b, limit, out)
-            seg = out[:m].tolist()
-            got = [key[x] for x in seg]
-            if None in got:             # (published blocks have keys: never, but stay exact)
-                return self._walk_each(start)
-            ids += seg
-            keys += got
-            b = int(out[limit])
-            if b == NO_BLOCK or hits[b]:    # reached a block that was hit, or the root
-                break
-            i = duel.deepest_announced(got, out[:m], lav, mask)
-            if i >= 0:                  # announced with its chain: so is the rest above it
-                cut = len(ids) - m + i
-                if cut:
-                    duel.walk_publish(keys[:cut], np.asarray(ids[:cut], np.int64), lav,
-                                      t.view("inserted_at"), t.view("depth"), mask,
-                                      keys[cut])
-                    if duel.choice != self._choice:
-                        self._follow()
-                return
-            limit *= PROBE
-        parent = t.parent
+        n = 0
+        while b != NO_BLOCK and hits[b] == 0 and n < WALK:
+            ids.append(b)
+            b = parent[b]
+            n += 1
+        keys = [key[x] for x in ids]
+        if None in keys:                # (published blocks have keys: never, but stay exact)
+            return self._walk_each(start)
+        mask = duel.mask
+        lav = t.view("last_access")
+        if b != NO_BLOCK and hits[b] == 0:      # a long chain
+            par, hv = t.view("parent"), t.view("hits")
+            limit, seg, seg_keys = WALK, np.asarray(ids, np.int64), keys
+            while True:
+                i = duel.deepest_announced(seg_keys, seg, lav, mask)
+                if i >= 0:              # announced with its chain: so is the rest above it
+                    cut = len(ids) - len(seg_keys) + i
+                    if cut:
+                        duel.walk_publish(keys[:cut], np.asarray(ids[:cut], np.int64), lav,
+                                          t.view("inserted_at"), t.view("depth"), mask,
+                                          keys[cut])
+                        if duel.choice != self._choice:
+                            self._follow()
+                    return
+                limit *= PROBE
+                out = self._out
+                if len(out) <= limit:
+                    out = self._out = np.empty(2 * limit + 1, np.int64)
+                m = walk_up(par, hv, b, limit, out)
+                seg = out[:m]
+                seg_keys = [key[x] for x in seg.tolist()]
+                if None in seg_keys:
+                    return self._walk_each(start)
+                ids += seg.tolist()
+                keys += seg_keys
+                b = int(out[limit])
+                if b == NO_BLOCK or hits[b]:    # reached a block that was hit, or the root
+                    break
         while b != NO_BLOCK:            # the chain's nearest sampled ancestor
             k = key[b]
             if k is not None and not (k[0] & mask):
                 break
             b = parent[b]
-        arr = out[:m] if len(ids) == m else np.asarray(ids, np.int64)    # one segment?
-        duel.walk_publish(keys, arr, lav, t.view("inserted_at"), t.view("depth"), mask,
-                          key[b] if b != NO_BLOCK else None)
+        duel.walk_publish(keys, np.asarray(ids, np.int64), lav, t.view("inserted_at"),
+                          t.view("depth"), mask, key[b] if b != NO_BLOCK else None)
         if duel.choice != self._choice:
             self._follow()
 

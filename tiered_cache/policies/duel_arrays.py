@@ -137,7 +137,7 @@ class ArrayDuel:
         self._grow_slots(min(1024, self.hist_limit + k + 2))
         self._HF = np.zeros((k, 0))
         self._HI = np.zeros((k, 0, K.H_ROWS), np.int64)
-        self._reserve = self.cap + 8           # set-aside scratch, and slack
+        self._reserve = self.cap + 8           # set-aside scratch (duel_kernels._short)
         self._grow_heaps(min(2 * self.cap + 64, 1024) + self._reserve)
         self._ints = np.zeros(96, np.int64)
         self._chain = np.zeros(32, np.int64)
@@ -198,16 +198,15 @@ class ArrayDuel:
         ni[:, :live] = HI[:, :live]
         self._HF, self._HI = nf, ni
 
-    def _room(self, n: int) -> None:
-        """Room for a call that handles n keys: n new history entries, 2n heap entries per
-        mini cache (a use pushes at most one entry and one for a parent its eviction
-        exposes), `cap + 2` columns of scratch."""
+    def _grow(self, n: int) -> None:
+        """Room for a call that handles n keys (a kernel answered NEED_ROOM; see
+        duel_kernels._short)."""
         G = self._G
         if self._S.shape[0] - G[K.G_FRESH] < n:
             self._grow_slots(int(G[K.G_FRESH]) + n)
-        need = G[K.G_HEAPMAX] + 2 * n + self._reserve
+        need = int(G[K.G_HEAPMAX]) + 2 * n + self._reserve
         if need > self._HF.shape[1]:
-            self._grow_heaps(int(need))
+            self._grow_heaps(need)
 
     def _pack(self, keys: Sequence[bytes], *columns: Sequence[int]) -> tuple[bytes, np.ndarray]:
         n = len(keys)
@@ -243,11 +242,14 @@ class ArrayDuel:
         n = len(keys)
         if not n:
             return 0
-        self._room(n)
         kb, ints = self._pack(keys, clocks, depths)
         phi, plo, pnone = _words(parent)
-        return K.hits(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ints, n,
-                      phi, plo, pnone, stop)
+        while True:
+            got = K.hits(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ints, n,
+                         phi, plo, pnone, stop)
+            if got != K.NEED_ROOM:
+                return got
+            self._grow(n)
 
     def publish(self, chain: list[tuple[bytes, int, int]], parent: bytes | None,
                 tail: bool = False) -> None:
@@ -263,11 +265,11 @@ class ArrayDuel:
         n = len(keys)
         if not n:
             return
-        self._room(n)
         kb, ints = self._pack(keys, clocks, depths)
         phi, plo, pnone = _words(parent)
-        K.publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ints, n, phi,
-                  plo, pnone, tail, self._scratch(n))
+        while K.publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ints, n,
+                        phi, plo, pnone, tail, self._scratch(n)) == K.NEED_ROOM:
+            self._grow(n)
 
     def first_announced(self, keys: Sequence[bytes], seen: Sequence[int]) -> int:
         """The first i whose key is in the history at a last use >= seen[i], or -1."""
@@ -285,15 +287,17 @@ class ArrayDuel:
         whose hit the choice moved off `stop` while the live policy may follow it, else
         len(keys); the chain's latest last use). See duel_kernels.hit_chain."""
         n = len(keys)
-        self._room(n)
         kb = _EMPTY.join(keys)
         if len(kb) != 16 * n:
             raise ValueError("duel keys are 16 bytes")
         phi, plo, pnone = _words(parent)
-        pos = K.hit_chain(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ids, la,
-                          dep, n, start, mask, phi, plo, pnone, stop, calls0, switched_at,
-                          cap)
-        return pos, int(self._G[K.G_OUT])
+        while True:
+            pos = K.hit_chain(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ids,
+                              la, dep, n, start, mask, phi, plo, pnone, stop, calls0,
+                              switched_at, cap)
+            if pos != K.NEED_ROOM:
+                return pos, int(self._G[K.G_OUT])
+            self._grow(n)
 
     def deepest_announced(self, keys: Sequence[bytes], ids: np.ndarray, la: np.ndarray,
                           mask: int) -> int:
@@ -310,13 +314,17 @@ class ArrayDuel:
         """A walk's blocks, deepest first: the sampled ones below the deepest announced one
         are published, root first (see duel_kernels.walk_publish); returns how many."""
         n = len(keys)
-        self._room(n)
         kb = _EMPTY.join(keys)
         if len(kb) != 16 * n:
             raise ValueError("duel keys are 16 bytes")
         phi, plo, pnone = _words(parent)
-        return K.walk_publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb, ids,
-                              la, born, dep, n, mask, phi, plo, pnone, self._scratch(2 * n))
+        while True:
+            got = K.walk_publish(self._S, self._T, self._G, self._F, self._HF, self._HI, kb,
+                                 ids, la, born, dep, n, mask, phi, plo, pnone,
+                                 self._scratch(2 * n))
+            if got != K.NEED_ROOM:
+                return got
+            self._grow(n)
 
     # -- inspection (tests; O(entries)) ----------------------------------------------------------
     @property

@@ -654,6 +654,19 @@ def _publish(S, T, G, F, HF, HI, chain, n, tail):
 
 # ---------------------------------------------------------------------------- entry points
 
+NEED_ROOM = -2
+"""What an entry point returns, having changed nothing, when the arrays cannot take a call
+that handles n keys: the caller grows them (`ArrayDuel._grow`) and calls again."""
+
+
+@njit(cache=True, inline="always")
+def _short(S, G, HF, n):
+    """The arrays lack room for a call handling n keys: n new history entries, and in every
+    heap 2n entries (a use pushes at most one, and one for a parent its eviction exposes)
+    besides `cap + 8` columns of scratch."""
+    return G[G_FRESH] + n > S.shape[0] or G[G_HEAPMAX] + 2 * n + G[G_CAP] + 8 > HF.shape[1]
+
+
 
 @njit(cache=True)
 def _done(G):
@@ -671,6 +684,8 @@ def hits(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, stop):
 
     Returns the number of keys handled: all n, or fewer when the choice moved off `stop`
     (>= 0) after one (the caller follows the new choice, then hands in the rest)."""
+    if _short(S, G, HF, n):
+        return NEED_ROOM
     G[G_STAMP] += 1
     for i in range(n):
         hi, lo = _word(kb, 16 * i), _word(kb, 16 * i + 8)
@@ -687,7 +702,9 @@ def hits(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, stop):
 def publish(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, tail, chain):
     """Duel.publish of a new chain of n keys, root first (laid out as in `hits`; the first
     one's parent is (phi, plo, pnone)); `tail`: the last one is its request's last block.
-    `chain`: scratch of at least n int64."""
+    `chain`: scratch of at least n int64. Returns 0 (or NEED_ROOM)."""
+    if _short(S, G, HF, n):
+        return NEED_ROOM
     G[G_STAMP] += 1
     m = 0
     rest = n
@@ -707,6 +724,7 @@ def publish(S, T, G, F, HF, HI, kb, ints, n, phi, plo, pnone, tail, chain):
         _hit(S, T, G, F, HF, HI, hi, lo, ints[i], phi, plo, pnone, ints[n + i])
         phi, plo, pnone = hi, lo, 0
     _done(G)
+    return 0
 
 
 @njit(cache=True)
@@ -742,6 +760,8 @@ def hit_chain(S, T, G, F, HF, HI, kb, ids, la, dep, n, start, mask, phi, plo, pn
     `stop` while the live policy may follow (`switched_at` < 0, or `calls0 + position + 1 -
     switched_at >= cap`: AdaptivePolicy._follow's pacing), else n. G[G_OUT]: the chain's
     latest last use."""
+    if _short(S, G, HF, n):
+        return NEED_ROOM
     G[G_STAMP] += 1
     latest = la[ids[0]]
     for i in range(n):
@@ -797,7 +817,9 @@ def walk_publish(S, T, G, F, HF, HI, kb, ids, la, born, dep, n, mask, phi, plo, 
     `kb`): the sampled ones below the deepest announced one (`deepest_announced`) go to
     `publish` root first, at their publication clocks, the announced one's key their parent
     (else (phi, plo, pnone)), the tail flag set when the walk's first block is one of them.
-    `chain`: scratch of at least 2n. Returns how many were handed in."""
+    `chain`: scratch of at least 2n. Returns how many were handed in (or NEED_ROOM)."""
+    if _short(S, G, HF, n):
+        return NEED_ROOM
     cut = deepest_announced(S, T, kb, ids, la, n, mask)
     end = n
     if cut >= 0:
