@@ -476,3 +476,42 @@ def test_fast_paths_do_what_the_plain_paths_do(workload, gpu, host, monkeypatch)
                 assert _duel_state(a.policy.duel) == _duel_state(b.policy.duel), n
                 assert a.policy._ghost == b.policy._ghost and a.policy.expert == b.policy.expert
     assert fast.tiers[0].policy.duel.rate == plain.tiers[0].policy.duel.rate
+
+
+@pytest.mark.parametrize("case", ["chain", "candidate", "gaps", "unpublished", "deep"])
+def test_access_many_is_access_block_by_block(case):
+    """One call for a reused chain does what `access` does block by block: the same duel, the
+    same clock, the same switch pacing, whatever the chain holds."""
+    t = BlockTable(1, block_size=BS, capacity=64)
+    one, many = AdaptivePolicy(40, blocks=t), AdaptivePolicy(40, blocks=t)
+    assert one.duel.rate == 1
+    chain, parent = [], NO_BLOCK
+    for i in range(12):
+        b = t.new(i)
+        t.key[b], t.parent[b], t.inserted_at[b], t.last_access[b] = content(100 + i), parent, 3, 3
+        if parent != NO_BLOCK:
+            t.first_child[parent] = b
+        chain.append(b)
+        parent = b
+    for p in (one, many):
+        p.insert(chain[-1])                        # published: the duel hears the chain
+    blocks = chain
+    if case == "gaps":
+        blocks = chain[::2]
+    elif case == "unpublished":
+        t.key[chain[7]] = None
+    elif case == "deep":
+        blocks = chain[4:]
+    if case != "candidate":
+        for p in (one, many):
+            p.remove(chain[-1])
+    for clock in (5, 9, 14):
+        for b in chain:
+            t.hits[b] += 1
+            t.last_access[b] = clock
+        for b in blocks:
+            one.access(b)
+        many.access_many(np.asarray(blocks, dtype=np.intp))
+        assert (many._calls, many._now) == (one._calls, one._now)
+        assert _duel_state(many.duel) == _duel_state(one.duel)
+        assert sorted(many._live) == sorted(one._live)

@@ -466,18 +466,20 @@ class AdaptivePolicy(PriorityPolicy):
                 self.access(b)
             return
         keys = [key[b] for b in ids]
-        if None in keys:                # an unpublished block among them
-            for b in ids:
-                self.access(b)
-            return
         arr = blocks if isinstance(blocks, np.ndarray) else np.asarray(ids, np.int64)
         la, dep = t.view("last_access"), t.view("depth")
         duel, mask = self.duel, self.duel.mask
         parent = self._sampled_above(ids[0])
         calls, start = self._calls, 0
         while True:
-            pos, latest = duel.hit_chain(keys, arr, la, dep, start, parent, mask,
-                                         self._choice, calls, self._switched_at, self._cap)
+            try:
+                pos, latest = duel.hit_chain(keys, arr, la, dep, start, parent, mask,
+                                             self._choice, calls, self._switched_at,
+                                             self._cap)
+            except TypeError:           # an unpublished block (no key): nothing was done
+                for b in ids[start:]:
+                    self.access(b)
+                return
             if pos >= n:
                 break
             self._calls = calls + pos + 1  # the duel moved where `_follow` acts on it

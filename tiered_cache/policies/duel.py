@@ -177,7 +177,10 @@ class Duel:
         """`hit` of the sampled keys among blocks start.. of a reused chain, root first
         (`ids`; `la`, `dep`: the table's last-use and depth arrays): (the position after
         whose hit the choice moved off `stop` while the live policy may follow it, else
-        len(keys); the chain's latest last use)."""
+        len(keys); the chain's latest last use). TypeError, before any change, if a key is
+        None."""
+        if None in keys[start:]:
+            raise TypeError("hit_chain: a block without a key")
         latest = max(int(la[b]) for b in ids)
         for i in range(start, len(keys)):
             h = keys[i]

@@ -285,7 +285,8 @@ class ArrayDuel:
         """`hit` of the sampled keys among blocks start.. of a reused chain, root first
         (`ids`; `la`, `dep`: the table's last-use and depth arrays): (the position after
         whose hit the choice moved off `stop` while the live policy may follow it, else
-        len(keys); the chain's latest last use). See duel_kernels.hit_chain."""
+        len(keys); the chain's latest last use). See duel_kernels.hit_chain. TypeError,
+        before any change, if a key is None."""
         n = len(keys)
         kb = _EMPTY.join(keys)
         if len(kb) != 16 * n:
