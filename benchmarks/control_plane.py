@@ -51,6 +51,7 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import psutil
@@ -58,9 +59,10 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, print_table, write_json  # noqa: E402
+from common import environment, import_checkout, print_table, write_json  # noqa: E402
 
-from tiered_cache import CacheConfig, TieredKVCache  # noqa: E402
+if TYPE_CHECKING:
+    from tiered_cache import TieredKVCache
 
 BLOCK = 16
 PROMPT_BLOCKS = 64
@@ -79,6 +81,8 @@ _clock = time.perf_counter
 
 
 def make_cache(num_blocks: int, policy: str = "adaptive") -> TieredKVCache:
+    from tiered_cache import CacheConfig, TieredKVCache
+
     cfg = CacheConfig.from_dict({
         "model": {"name": "bench", "num_layers": 80, "num_kv_heads": 8, "head_dim": 128,
                   "dtype": "bfloat16"},
@@ -311,21 +315,21 @@ def memory_child(n_blocks: int, policy: str) -> dict:
             "dict_of_keys_bytes_per_block": round(plain_bytes / max(1, len(plain)), 1)}
 
 
-def memory(sizes: list[int], repo: str | None, out: str, policy: str = "adaptive") -> dict:
+def memory(sizes: list[int], repo: str | None, out: str, policy: str = "adaptive",
+           root: str | None = None) -> dict:
     import subprocess
 
     rows = []
-    checkouts = [("this", str(Path(__file__).resolve().parent.parent))]
+    checkouts = [("this", str(Path(root or Path(__file__).resolve().parent.parent)))]
     if repo:
         checkouts.append(("other", str(Path(repo).resolve())))
     for label, root in checkouts:
         for n in sizes:
-            env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
             row = {}
             for mode in ("--memory-child", "--rss-child"):
                 proc = subprocess.run([sys.executable, __file__, mode, str(n), "--policy",
-                                       policy], capture_output=True, text=True, env=env,
-                                      cwd=root, timeout=3600)
+                                       policy, "--root", root], capture_output=True,
+                                      text=True, cwd=root, timeout=3600)
                 if proc.returncode != 0:
                     raise SystemExit(f"{label} ({root}), {n} blocks: {proc.stderr[-2000:]}")
                 row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -359,11 +363,18 @@ def main(argv: list[str] | None = None) -> dict:
                     help="bytes per cached block instead (fresh process per size)")
     ap.add_argument("--repo", default=None,
                     help="with --memory: also measure this checkout (e.g. an older commit)")
+    ap.add_argument("--root", default=str(Path(__file__).resolve().parent.parent),
+                    help="the checkout whose tiered_cache to measure (default: this one; e.g. "
+                         "a git worktree of an older commit)")
     ap.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--rss-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     global _clock
     _clock = CLOCKS[args.clock]
+    import_checkout(args.root)
+    import tiered_cache
+
+    checkout = str(Path(tiered_cache.__file__).resolve().parent.parent)
     if args.memory_child:
         print(json.dumps(memory_child(args.memory_child, args.policy)))
         return {}
@@ -372,13 +383,15 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     if args.memory:
         return memory(args.sizes or ([10**4, 10**5] if args.quick else [10**5, 10**6]),
-                      args.repo, args.out or "results/control_plane_memory.json", args.policy)
+                      args.repo, args.out or "results/control_plane_memory.json", args.policy,
+                      args.root)
     args.out = args.out or "results/control_plane.json"
     sizes = args.sizes or ([10**3, 10**4, 10**5] if args.quick
                            else [10**3, 10**4, 10**5, 10**6])
 
     rows: list[dict] = []
     t0 = time.perf_counter()
+    print(f"tiered_cache from {checkout}", flush=True)
     for n in sizes:
         rows.extend(measure(n, args.sample, args.repeats, args.seed, args.policy))
     columns = ["cached_blocks", "workload", "ours_ns_per_block", "floor_ns_per_block", "ratio",
@@ -426,6 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
                                               "sizes_measured": sizes},
         },
         "args": vars(args),
+        "checkout": checkout,
         "environment": environment(),
     }
     write_json(args.out, payload)

@@ -90,32 +90,6 @@ PEERS = {
 # ---------------------------------------------------------------------------- the sides
 
 
-def import_checkout(root: str) -> None:
-    """Import tiered_cache from the checkout at `root`, installed or not.
-
-    NOTE: an editable install maps `tiered_cache.kernels` and `tiered_cache.migrator` onto the
-    top-level folders (pyproject's package-dir); a bare checkout on sys.path has no such
-    mapping, so it is made here, for the checkout named and nothing else."""
-    import importlib.util
-
-    sys.path.insert(0, root)
-    import tiered_cache
-
-    if not Path(tiered_cache.__file__).resolve().is_relative_to(Path(root).resolve()):
-        raise SystemExit(f"tiered_cache imported from {tiered_cache.__file__}, not {root}")
-    for sub in ("kernels", "migrator"):
-        name = f"tiered_cache.{sub}"
-        if name in sys.modules:
-            continue
-        spec = importlib.util.spec_from_file_location(
-            name, os.path.join(root, sub, "__init__.py"),
-            submodule_search_locations=[os.path.join(root, sub)])
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        setattr(tiered_cache, sub, mod)
-
-
 def token_ids(i: int):
     """Prompt i's 1,024 distinct token ids (int64 range, as numpy)."""
     import numpy as np
@@ -434,6 +408,8 @@ def main(argv: list[str] | None = None) -> dict:
     global _clock
     _clock = CLOCKS[args.clock]
     if args.child_root:                             # in a child: measure, print JSON
+        from common import import_checkout
+
         import_checkout(args.child_root)
         if args.child_side:
             rows = [memory_child(args.child_side, n, args.policy) for n in args.sizes]
