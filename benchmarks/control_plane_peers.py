@@ -370,6 +370,12 @@ def importable(python: str, module: str) -> tuple[bool, str]:
 def child(python: str, root: str, args: list[str]) -> list[dict]:
     env = dict(os.environ, PYTHONHASHSEED="0")      # vLLM's non-crypto NONE_HASH seed
     env.pop("PYTHONPATH", None)
+    # NOTE: the peers' interpreters may carry another numba, which would recompile (and
+    # overwrite) the policies' on-disk kernel cache each time the interpreters alternate.
+    import hashlib
+
+    tag = hashlib.sha1(python.encode()).hexdigest()[:12]
+    env.setdefault("NUMBA_CACHE_DIR", str(ROOT / "results" / ".numba" / tag))
     proc = subprocess.run([python, str(Path(__file__).resolve()), "--child-root", root, *args],
                           capture_output=True, text=True, env=env, timeout=7200)
     if proc.returncode != 0:
