@@ -13,6 +13,9 @@ $(STAMP): pyproject.toml
 	# Without a GPU, pin the CPU torch wheel: an unpinned torch pulls a multi-GB CUDA build.
 	if ! command -v nvidia-smi >/dev/null 2>&1; then $(PY) -m pip install -q torch==2.13.0; fi
 	$(PY) -m pip install -q -e '.[dev,hf,tools,remote]'
+	# Compile the default policy's numba kernels once (~20 s of CPU; cached on disk), so no
+	# test or server pays it at its first request.
+	$(PY) -c "from tiered_cache.policies.duel_arrays import warm_up; warm_up()"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -142,6 +142,35 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     return p
 
 
+def import_checkout(root: str | os.PathLike) -> None:
+    """Import tiered_cache from the checkout at `root`, installed or not (e.g. a git worktree of
+    an older commit, for a before/after in the same sitting).
+
+    NOTE: an editable install maps `tiered_cache.kernels` and `tiered_cache.migrator` onto the
+    top-level folders of *its* checkout (pyproject's package-dir); a bare checkout on sys.path
+    has no such mapping, so it is made here, for the checkout named and nothing else. Call it
+    before anything imports tiered_cache."""
+    import importlib.util
+
+    root = str(Path(root).resolve())
+    sys.path.insert(0, root)
+    import tiered_cache
+
+    if not Path(tiered_cache.__file__).resolve().is_relative_to(root):
+        raise SystemExit(f"tiered_cache imported from {tiered_cache.__file__}, not {root}")
+    for sub in ("kernels", "migrator"):
+        name = f"tiered_cache.{sub}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(
+            name, os.path.join(root, sub, "__init__.py"),
+            submodule_search_locations=[os.path.join(root, sub)])
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+        setattr(tiered_cache, sub, mod)
+
+
 def default_out(name: str) -> str:
     """``results/<name>.json`` under the repository root."""
     return str(RESULTS / f"{name}.json")

@@ -17,8 +17,11 @@ and, for every policy, the geometric mean over the cells of its speed / LRU's in
 (those runs share the machine with each other: a rough figure).
 
 Targets (issue 16), for `adaptive`, on the held-out split: worst cell >= 0.99x LRU; geometric
-mean >= 1.10x LRU and at least the best single registered policy's; replay speed >= 0.7x LRU's
-at every capacity. Whether each is met is printed and stored, as measured.
+mean >= 1.10x LRU and at least the best single registered policy's; replay speed >= 0.9x LRU's
+at every capacity (issue 25; it was 0.7x). Whether each is met is printed and stored, as
+measured. Speed is block operations per second of the replay loop (wall time), and per CPU
+second of the whole replay call (`process_time`: on a machine other jobs load, waiting for a
+core does not count); `--speed-clock` says which one the target is judged on.
 
     python benchmarks/policy_eval.py                 # both splits: ~12 minutes on 2 cores
     python benchmarks/policy_eval.py --seeds report  # the held-out split only
@@ -63,7 +66,7 @@ SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / \
     "mooncake_synthetic_trace.jsonl"
 ADAPTIVE = "adaptive"
 OFFLINE = ("belady",)
-TARGET_WORST, TARGET_GEOMEAN, TARGET_SPEED = 0.99, 1.10, 0.7
+TARGET_WORST, TARGET_GEOMEAN, TARGET_SPEED = 0.99, 1.10, 0.9
 
 
 PINNED = {}
@@ -106,17 +109,24 @@ def _two_tier(cells: list[Cell]) -> list[Cell]:
 
 
 def _speed(trace: list, capacities: tuple[int, ...], policies: tuple[str, ...],
-           repeats: int) -> list[dict]:
+           repeats: int, clock: str = "wall") -> list[dict]:
     rows = []
     for cap in capacities:
         best = dict.fromkeys(policies, 0.0)
+        best_cpu = dict.fromkeys(policies, 0.0)
         for _ in range(max(1, repeats)):
             for p in policies:              # interleaved: drift hits every policy alike
+                t0 = time.process_time()
                 r = replay(trace, gpu_blocks=cap, policy=p)
+                cpu = time.process_time() - t0
                 best[p] = max(best[p], r["block_ops_per_s"])
+                best_cpu[p] = max(best_cpu[p], r["block_ops"] / cpu if cpu > 0 else 0.0)
         for p in policies:
             rows.append({"capacity": cap, "policy": p, "block_ops_per_s": best[p],
-                         "x_lru": best[p] / best["lru"]})
+                         "x_lru_wall": best[p] / best["lru"],
+                         "block_ops_per_cpu_s": best_cpu[p],
+                         "x_lru_cpu": best_cpu[p] / best_cpu["lru"]})
+            rows[-1]["x_lru"] = rows[-1][f"x_lru_{clock}"]
     return rows
 
 
@@ -156,6 +166,8 @@ def main() -> int:
     ap.add_argument("--two-tier", action="store_true", help="also 25%% device + 75%% host")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--speed-repeats", type=int, default=3)
+    ap.add_argument("--speed-clock", choices=("wall", "cpu"), default="wall",
+                    help="the clock the speed target is judged on (both are reported)")
     ap.add_argument("--out", default=default_out("policy_eval"), help="JSON output path")
     args = ap.parse_args()
 
@@ -221,9 +233,10 @@ def main() -> int:
         else workloads.generate(families[0], n_req, seed=next(iter(splits.values()))[0])
     speed_pols = ("lru", ADAPTIVE)
     repeats = 1 if args.quick else args.speed_repeats
-    speed = _speed(speed_trace, caps, speed_pols, repeats)
+    speed = _speed(speed_trace, caps, speed_pols, repeats, args.speed_clock)
     where = "the shared trace" if have_trace else families[0]
-    print_table(speed, title=f"\nreplay speed on {where} (best of {repeats}, interleaved)")
+    print_table(speed, title=f"\nreplay speed on {where} (best of {repeats}, interleaved; "
+                             f"x_lru: {args.speed_clock} time)")
 
     judged = "held_out" if "held_out" in results else "tuning"
     summary = results[judged]["summary"]
@@ -245,8 +258,8 @@ def main() -> int:
           f"{'met' if meets['geomean'] else 'NOT met'}")
     print(f"adaptive geomean {a['geomean']:.3f} >= best single registered ({best_rival} "
           f"{rivals[best_rival]:.3f}): {'met' if meets['vs_best_single'] else 'NOT met'}")
-    print(f"adaptive replay speed >= {TARGET_SPEED}x LRU at every capacity: min "
-          f"{min_speed:.2f}x -> {'met' if meets['speed'] else 'NOT met'}")
+    print(f"adaptive replay speed ({args.speed_clock} time) >= {TARGET_SPEED}x LRU at every "
+          f"capacity: min {min_speed:.2f}x -> {'met' if meets['speed'] else 'NOT met'}")
     print(f"evaluation {eval_s:.0f} s")
     write_json(args.out, {
         "benchmark": "policy_eval", "quick": args.quick, "environment": environment(),

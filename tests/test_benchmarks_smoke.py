@@ -136,3 +136,35 @@ def test_vllm_connector_lookup_quick(tmp_path):
     for r in rows.values():
         assert r["hit_tokens"] == 3200 and _positive(r["p50_ms"]) and _positive(r["p99_ms"])
         assert r["target_ms"] in (1.0, 2.0)
+
+
+def test_control_plane_quick(tmp_path):
+    data, stdout = run_bench("control_plane", tmp_path, "--sizes", "1000", "--sample", "4",
+                             "--repeats", "1", "--clock", "cpu")
+    assert "control plane (adaptive, cpu time)" in stdout
+    assert data["args"]["policy"] == "adaptive"
+    assert {r["workload"] for r in data["rows"]} == {"hit", "miss"}
+    for r in data["rows"]:
+        assert r["policy"] == "adaptive" and r["cached_blocks"] == 1000
+        assert _positive(r["ours_ns_per_block"]) and _positive(r["floor_ns_per_block"])
+    mem, _ = run_bench("control_plane", tmp_path, "--memory", "--sizes", "2000",
+                       "--policy", "lru")
+    (row,) = mem["rows"]
+    assert row["policy"] == "lru" and row["cached_blocks"] == 2000
+    assert _positive(row["bytes_per_block"]) and "rss_bytes_per_block" in row
+
+
+def test_control_plane_peers_says_when_a_peer_is_missing(tmp_path):
+    """Where neither peer imports (this suite's venv), the peer benchmark measures nothing,
+    says so, and still writes its JSON."""
+    data, stdout = run_bench("control_plane_peers", tmp_path, "--sizes", "1024",
+                             "--vllm-python", sys.executable, "--sglang-python",
+                             sys.executable)
+    for peer in ("vllm", "sglang"):
+        try:
+            __import__({"vllm": "vllm.v1.core.block_pool",
+                        "sglang": "sglang.srt.mem_cache.radix_cache"}[peer])
+        except ImportError:
+            assert peer in data["skipped"] and "skipped" in stdout
+    if not data["interpreters"]:
+        assert data["rows"] == [] and "no peer importable" in stdout

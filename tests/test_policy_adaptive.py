@@ -15,9 +15,11 @@ import pytest
 
 from tiered_cache.core.blocks import NO_BLOCK, BlockTable
 from tiered_cache.policies import POLICIES, AdaptivePolicy
+from tiered_cache.policies.base import CachePolicy
 from tiered_cache.policies.duel import Duel, sample_rate
+from tiered_cache.policies.duel_arrays import ArrayDuel
 from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT
-from tiered_cache.policies.shadow import EXPERTS, PARENT, Expert, LruMini, MiniCache, credit
+from tiered_cache.policies.shadow import EXPERTS, PARENT, Expert, credit
 from tiered_cache.tools.replay import build_cache, replay
 
 BS = 4
@@ -157,29 +159,44 @@ def test_switches_are_paced_by_the_capacity():
 def test_a_chain_is_announced_to_the_duel_once():
     """A never-hit chain reaches the duel when its last block first becomes a candidate; its
     blocks becoming candidates again later (the leaf evicted, in any order) walk no further
-    than the first announced block, so a fresh insert costs O(1), not O(depth)."""
-    t = BlockTable(1, block_size=BS, capacity=64)
+    than one segment (`adaptive.WALK` blocks) past the first announced block, so a fresh
+    insert costs O(1), not O(depth)."""
+    from tiered_cache.policies.adaptive import WALK
+
+    depth = 3 * WALK + 8
+    t = BlockTable(1, block_size=BS, capacity=depth)
     p = AdaptivePolicy(48, blocks=t)
     assert p.duel.rate == 1                         # every key is sampled
     chain, parent = [], NO_BLOCK
-    for i in range(40):
+    for i in range(depth):
         b = t.new(i)
         t.key[b], t.parent[b], t.inserted_at[b], t.last_access[b] = content(i), parent, 7, 7
         if parent != NO_BLOCK:
             t.first_child[parent] = b
         chain.append(b)
         parent = b
-    published = []
-    real = p.duel.publish
-    p.duel.publish = lambda ch, *a: (published.append(len(ch)), real(ch, *a))
+    calls = []                                      # (duel entry point, keys handed in)
+
+    def spy(name):
+        real = getattr(p.duel, name)
+        setattr(p.duel, name, lambda keys, *a: (calls.append((name, len(keys))),
+                                                real(keys, *a))[1])
+
+    for name in ("publish", "publish_keys", "walk_publish", "deepest_announced",
+                 "first_announced"):
+        spy(name)
     p.insert(chain[-1])
-    assert published == [40]
+    assert calls[-1] == ("walk_publish", depth)     # the whole chain, once
+    assert len(p.duel.hist) == depth
     for b in reversed(chain[1:]):
+        calls.clear()
         assert p.victim() == b
         p._exposed = NO_BLOCK                       # as if another victim came in between
         t.first_child[t.parent[b]] = NO_BLOCK
         p.insert(t.parent[b])
-    assert published == [40]
+        # one look at no more than a segment: its first sampled block is announced
+        assert len(calls) == 1 and calls[0][1] <= WALK, calls
+    assert all(e[0] == 1 for e in p.duel.hist.values())     # nothing used twice
 
 
 def test_credit_formula():
@@ -226,7 +243,7 @@ def test_state_stays_bounded_under_churn(host):
         assert len(d.hist) <= d.hist_limit + len(d.minis)
         for m in d.minis:
             assert len(m) <= d.cap + 1
-            if isinstance(m, LruMini):
+            if m.kind == "lru":
                 assert len(m.heap) == len(m.res)
             else:
                 assert len(m.heap) <= 4 * m.cap + 64 + len(m.res)
@@ -244,7 +261,7 @@ def test_mini_caches_stay_prefix_closed():
         for h in keys:
             parent = d.hist[h][PARENT]
             assert parent is None or parent in keys
-        if isinstance(m, MiniCache):
+        if m.kind == "credit":
             for h, n in m.kids.items():
                 assert n == sum(1 for k in keys if d.hist[k][PARENT] == h)
 
@@ -401,3 +418,100 @@ def test_a_disk_restart_rebuilds_candidates_with_their_use_counts(tmp_path):
     assert sum(serve(again, toks) for toks in prompts) > 0
     check_invariants(again)
     again.shutdown()
+
+
+# --- the compiled paths against the plain ones ---------------------------------------------
+
+
+class Plain(AdaptivePolicy):
+    """adaptive on its plain paths: the reference duel (`duel.Duel`), `access` block by block,
+    the walk block by block in Python and the general `offer`."""
+
+    name = "adaptive_plain"
+    duel_class = Duel
+    access_many = CachePolicy.access_many             # one block at a time
+    offer = AdaptivePolicy._offer
+    _walk = AdaptivePolicy._walk_each
+
+
+def _duel_state(d) -> tuple:
+    return (d.choice, d.switches, d.tails_dead, [list(r) for r in d.wins],
+            list(d.hist.items()))
+
+
+@pytest.mark.parametrize("workload,gpu,host", [
+    ("churn", 40, 0), ("churn", 120, 0), ("churn", 300, 0), ("scan", 64, 0),
+    ("chat", 100, 0), ("agent", 300, 0), ("rag", 120, 0), ("churn", 48, 96), ("chat", 60, 120),
+])
+def test_fast_paths_do_what_the_plain_paths_do(workload, gpu, host, monkeypatch):
+    """The same requests through a cache on the default policy and one on `Plain`: the same
+    hits, the same blocks in the same slots, the same duel (scores, choice, every history
+    entry), request by request, at sample rates 1 to 8, on one tier and two."""
+    from tiered_cache.tools import workloads
+
+    monkeypatch.setitem(POLICIES, Plain.name, Plain)
+    if workload == "churn":
+        reqs = churn(900, seed=gpu)
+    elif workload == "scan":
+        reqs = scan_with_hot_set(1500)
+    else:
+        reqs = workloads.generate(workload, 250, seed=1, block_size=BS)
+    fast = build_cache(block_size=BS, gpu_blocks=gpu, host_blocks=host, policy="adaptive")
+    plain = build_cache(block_size=BS, gpu_blocks=gpu, host_blocks=host, policy=Plain.name)
+    assert isinstance(fast.tiers[0].policy.duel, ArrayDuel)
+    hits = [0, 0]
+    for n, r in enumerate(reqs):
+        toks = np.repeat(np.asarray(r["hash_ids"], np.int32), BS)[:gpu * BS]
+        for i, cache in enumerate((fast, plain)):
+            seq = cache.open(toks)
+            hits[i] += seq.num_cached_tokens
+            cache.mark_computed(seq)
+            cache.close(seq)
+        assert hits[0] == hits[1], n
+        assert dict(fast.index.prefix) == dict(plain.index.prefix), n
+        assert [list(s) for s in fast.index.blocks.slots] == \
+            [list(s) for s in plain.index.blocks.slots], n
+        if n % 25 == 0 or n == len(reqs) - 1:
+            for a, b in zip(fast.tiers, plain.tiers):
+                assert _duel_state(a.policy.duel) == _duel_state(b.policy.duel), n
+                assert a.policy._ghost == b.policy._ghost and a.policy.expert == b.policy.expert
+    assert fast.tiers[0].policy.duel.rate == plain.tiers[0].policy.duel.rate
+
+
+@pytest.mark.parametrize("case", ["chain", "candidate", "gaps", "unpublished", "deep"])
+def test_access_many_is_access_block_by_block(case):
+    """One call for a reused chain does what `access` does block by block: the same duel, the
+    same clock, the same switch pacing, whatever the chain holds."""
+    t = BlockTable(1, block_size=BS, capacity=64)
+    one, many = AdaptivePolicy(40, blocks=t), AdaptivePolicy(40, blocks=t)
+    assert one.duel.rate == 1
+    chain, parent = [], NO_BLOCK
+    for i in range(12):
+        b = t.new(i)
+        t.key[b], t.parent[b], t.inserted_at[b], t.last_access[b] = content(100 + i), parent, 3, 3
+        if parent != NO_BLOCK:
+            t.first_child[parent] = b
+        chain.append(b)
+        parent = b
+    for p in (one, many):
+        p.insert(chain[-1])                        # published: the duel hears the chain
+    blocks = chain
+    if case == "gaps":
+        blocks = chain[::2]
+    elif case == "unpublished":
+        t.key[chain[7]] = None
+    elif case == "deep":
+        blocks = chain[4:]
+    if case != "candidate":
+        for p in (one, many):
+            p.remove(chain[-1])
+    for clock in (5, 9, 14):
+        for b in chain:
+            t.hits[b] += 1
+            t.last_access[b] = clock
+        for b in blocks:
+            one.access(b)
+        many.access_many(np.asarray(blocks, dtype=np.intp))
+        assert (many._calls, many._now) == (one._calls, one._now)
+        assert _duel_state(many.duel) == _duel_state(one.duel)
+        assert sorted(many._live) == sorted(one._live)

@@ -155,9 +155,7 @@ class BatchOps:
                 if not np.count_nonzero(cand):
                     continue
                 hear = ids[has & ((cand >> tier.index) & 1).astype(bool)]
-            access = tier.policy.access
-            for b in hear.tolist():
-                access(b)
+            tier.policy.access_many(hear)           # one call per chain (policies/base.py)
         return served
 
     def _publish_chain(self, seq, first: int, ready: int, parent: int) -> list[int]:

@@ -55,14 +55,26 @@ from __future__ import annotations
 import heapq
 import math
 
+import numpy as np
+
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.policies.base import PriorityPolicy
 from tiered_cache.policies.duel import MAX_RATE, MINI_SLOTS, Duel, Z
+from tiered_cache.policies.duel_arrays import ArrayDuel
+from tiered_cache.policies.duel_kernels import walk_up
 from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT, REDUNDANT
-from tiered_cache.policies.shadow import EXPERTS, LAST, TAIL_FIRST, Expert, Turnover, credit
+from tiered_cache.policies.shadow import EXPERTS, TAIL_FIRST, Expert, Turnover, credit
 
 REKEY = 64
 """Candidates re-keyed per hook call after a switch of expert."""
+
+WALK = 64
+"""Blocks a walk takes in its first segment, in Python (see `_walk`): a request's new chain of
+up to WALK blocks costs one call of the duel; a walk that stops at an announced block (a chain
+evicted leaf by leaf) steps through at most WALK blocks more than it must."""
+
+PROBE = 8
+"""Each later segment of a walk is PROBE times the one before."""
 
 SPARE = -REDUNDANT / 2
 """Priorities below this were keyed as spare copies."""
@@ -79,11 +91,14 @@ class AdaptivePolicy(PriorityPolicy):
     max_rate: int = MAX_RATE
     pinned: str | None = None
     """An expert to follow whatever the duel says (evaluation only: the duel still runs)."""
+    duel_class: type[ArrayDuel] | type[Duel] = ArrayDuel
+    """The duel's implementation: `ArrayDuel` (compiled), or `duel.Duel`, the reference."""
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
         self._cap = max(1, capacity_blocks)
-        self.duel = Duel(self._cap, self.experts, self.z, self.mini_slots, self.max_rate)
+        self.duel = self.duel_class(self._cap, self.experts, self.z, self.mini_slots,
+                                    self.max_rate)
         self._choice = 0
         self._m, self._k = self.experts[0].lifetimes, self.experts[0].gaps
         # content key -> (uses, first use, publication and hits of the block that filed it)
@@ -102,6 +117,7 @@ class AdaptivePolicy(PriorityPolicy):
         self._calls = 0                     # access and insert calls (paces switches)
         self._switched_at = -1              # `_calls` at the last switch (-1: none yet)
         self._single = len(self.blocks.slots) == 1
+        self._out = np.empty(2 * WALK * PROBE + 1, np.int64)   # the compiled walk's scratch
         if self.pinned is not None:
             self.duel.fixed = [e.name for e in self.experts].index(self.pinned)
             self.duel.choice = self.duel.fixed
@@ -226,7 +242,72 @@ class AdaptivePolicy(PriorityPolicy):
         would pop: b, keyed now, is strictly below every live entry (ties go to the entry
         already there, as in the heap: b's entry number would be the newest). Anything else,
         an entry keyed as a spare copy on top (`victim` may re-key it) included, inserts b:
-        always allowed (the eviction loop then asks `victim`)."""
+        always allowed (the eviction loop then asks `victim`).
+
+        NOTE: the common case, a chain leaving leaf by leaf from a single tier, is written
+        out here: b is the parent the last victim exposed, so it is no fresh chain (no walk,
+        no dead-tail rule) and no spare copy; it does what `_prepare`, `_live_top` and
+        `_evicted` do for it, reading its uses from the ghost once."""
+        t = self.blocks
+        if b != self._exposed or self._rekey or not self._single or \
+                t.gen[b] != self._exposed_gen:
+            return self._offer(b)
+        self._calls += 1
+        live = self._live
+        hits = t.hits[b]
+        if hits == 0 and b not in live:
+            self._exposed = NO_BLOCK        # (`_prepare`: the parent of a victim, not fresh)
+        key = t.key[b]
+        born = t.inserted_at[b]
+        prev = None
+        if key is not None:             # (entries are non-empty tuples: `or` asks the old one)
+            prev = self._ghost.get(key) or self._ghost_old.get(key)
+        if prev is None:                # self._uses(b), inlined
+            uses, first = hits + 1, born
+        elif prev[2] == born:
+            uses, first = prev[0] - prev[3] + hits, prev[1]
+        else:
+            uses, first = prev[0] + hits + 1, prev[1]
+        last = t.last_access[b]
+        p = float(last)
+        m = self._m
+        if m != 0.0 and uses > 1 and last > first:
+            c = m * self._turnover.lifetime * math.log2(uses)
+            cap = self._k * (last - first) / (uses - 1)
+            p += c if c < cap else cap
+        if self._old:
+            top = self._live_top()
+        else:
+            heap, pop = self._heap, heapq.heappop
+            while heap and live.get(heap[0][3]) != heap[0][2]:
+                pop(heap)
+            top = heap[0] if heap else None
+        if top is not None:
+            d = -t.depth[b]
+            if top[0] < p or (top[0] == p and top[1] <= d) or top[0] < SPARE:
+                self._push(b, p)
+                return False
+        # `_evicted(b, uses, first)`, inlined (nothing to re-key here)
+        parent = t.parent[b]
+        self._exposed = parent
+        if parent != NO_BLOCK:
+            self._exposed_gen = t.gen[parent]
+        if key is not None:
+            ghost = self._ghost
+            ghost[key] = (uses, first, born, hits)
+            if len(ghost) >= self._ghost_half:
+                self._ghost_old, self._ghost = ghost, {}
+        n = self._evictions + 1
+        if n >= self._turnover.batch:
+            self._turnover.evicted(self._now, n)
+            n = 0
+        self._evictions = n
+        if self._old:
+            self._drain()
+        return True
+
+    def _offer(self, b: int) -> bool:
+        """`offer` in general."""
         p, uses, first = self._prepare(b)
         if self._rekey:
             self._rekey_some()          # (insert does this before victim looks at the heap)
@@ -240,39 +321,115 @@ class AdaptivePolicy(PriorityPolicy):
 
     def _walk(self, b: int) -> None:
         """Block b, never hit, closed its request: hand the sampled blocks of its new chain
-        (up to the first block that was hit before) to the duel, root first."""
+        (up to the first block that was hit before, or announced to the duel already) to the
+        duel, root first.
+
+        NOTE: the first WALK blocks are walked here (a request's new chain is short, and a
+        compiled call costs as much as a few dozen steps); a longer chain by a compiled loop
+        over the table (`duel_kernels.walk_up`) in segments of WALK * PROBE, WALK * PROBE**2,
+        ... blocks, each segment checked for announced blocks before the next (so a chain
+        evicted leaf by leaf is not walked again); the duel takes the sampled ones in one
+        call (`walk_publish`)."""
+        t = self.blocks
+        duel = self.duel
+        la = t.last_access
+        if la[b] > self._now:
+            self._now = la[b]
+        key, hits, parent = t.key, t.hits, t.parent
+        start = b
+        ids: list[int] = []
+        n = 0
+        while b != NO_BLOCK and hits[b] == 0 and n < WALK:
+            ids.append(b)
+            b = parent[b]
+            n += 1
+        keys = [key[x] for x in ids]
+        if None in keys:                # (published blocks have keys: never, but stay exact)
+            return self._walk_each(start)
+        mask = duel.mask
+        lav = t.view("last_access")
+        if b != NO_BLOCK and hits[b] == 0:      # a long chain
+            par, hv = t.view("parent"), t.view("hits")
+            limit, seg, seg_keys = WALK, np.asarray(ids, np.int64), keys
+            while True:
+                i = duel.deepest_announced(seg_keys, seg, lav, mask)
+                if i >= 0:              # announced with its chain: so is the rest above it
+                    cut = len(ids) - len(seg_keys) + i
+                    if cut:
+                        duel.walk_publish(keys[:cut], np.asarray(ids[:cut], np.int64), lav,
+                                          t.view("inserted_at"), t.view("depth"), mask,
+                                          keys[cut])
+                        if duel.choice != self._choice:
+                            self._follow()
+                    return
+                limit *= PROBE
+                out = self._out
+                if len(out) <= limit:
+                    out = self._out = np.empty(2 * limit + 1, np.int64)
+                m = walk_up(par, hv, b, limit, out)
+                seg = out[:m]
+                seg_keys = [key[x] for x in seg.tolist()]
+                if None in seg_keys:
+                    return self._walk_each(start)
+                ids += seg.tolist()
+                keys += seg_keys
+                b = int(out[limit])
+                if b == NO_BLOCK or hits[b]:    # reached a block that was hit, or the root
+                    break
+        while b != NO_BLOCK:            # the chain's nearest sampled ancestor
+            k = key[b]
+            if k is not None and not (k[0] & mask):
+                break
+            b = parent[b]
+        duel.walk_publish(keys, np.asarray(ids, np.int64), lav, t.view("inserted_at"),
+                          t.view("depth"), mask, key[b] if b != NO_BLOCK else None)
+        if duel.choice != self._choice:
+            self._follow()
+
+    def _walk_each(self, b: int) -> None:
+        """`_walk` block by block in Python, asking the duel at each sampled block (the
+        plain loop `_walk` compiles: the tests check that both hand the duel the same
+        chains)."""
         t = self.blocks
         duel = self.duel
         mask = duel.mask
-        key, hits, parent, born, depth = t.key, t.hits, t.parent, t.inserted_at, t.depth
-        last = t.last_access[b]
-        if last > self._now:
-            self._now = last
+        key, hits, parent, seen = t.key, t.hits, t.parent, t.last_access
+        if seen[b] > self._now:
+            self._now = seen[b]
         tail = b
-        chain = None
-        hist, seen = duel.hist, t.last_access
+        chain: list[int] = []           # sampled, never hit, deepest first
         while b != NO_BLOCK and hits[b] == 0:
             k = key[b]
             if k is not None and not (k[0] & mask):
-                e = hist.get(k)
-                if e is not None and e[LAST] >= seen[b]:
+                if duel.first_announced([k], [seen[b]]) == 0:
                     break               # announced with its chain: so is the rest above it
-                if chain is None:
-                    chain = [b]
-                else:
-                    chain.append(b)
+                chain.append(b)
             b = parent[b]
-        if chain is None:
+        if not chain:
             return
         while b != NO_BLOCK:            # the chain's nearest sampled ancestor
             k = key[b]
             if k is not None and not (k[0] & mask):
                 break
             b = parent[b]
-        duel.publish([(key[x], born[x], depth[x]) for x in reversed(chain)],
-                     key[b] if b != NO_BLOCK else None, chain[0] == tail)
+        chain.reverse()                 # root first
+        duel.publish_keys([key[x] for x in chain], [t.inserted_at[x] for x in chain],
+                          [t.depth[x] for x in chain], key[b] if b != NO_BLOCK else None,
+                          chain[-1] == tail)
         if duel.choice != self._choice:
             self._follow()
+
+    def _sampled_above(self, b: int) -> bytes | None:
+        """The key of the nearest sampled ancestor of block b (b excluded), or None."""
+        t = self.blocks
+        key, parent, mask = t.key, t.parent, self.duel.mask
+        b = parent[b]
+        while b != NO_BLOCK:
+            k = key[b]
+            if k is not None and not (k[0] & mask):
+                return k
+            b = parent[b]
+        return None
 
     def access(self, b: int) -> None:
         self._calls += 1
@@ -283,23 +440,54 @@ class AdaptivePolicy(PriorityPolicy):
         k = t.key[b]
         duel = self.duel
         if k is not None and not (k[0] & duel.mask):
-            e = duel.hist.get(k)
-            if e is not None:
-                ph = e[3]               # its nearest sampled ancestor, found before
-            else:
-                key, parent, mask = t.key, t.parent, duel.mask
-                p = parent[b]
-                while p != NO_BLOCK:
-                    kp = key[p]
-                    if kp is not None and not (kp[0] & mask):
-                        break
-                    p = parent[p]
-                ph = key[p] if p != NO_BLOCK else None
-            duel.hit(k, last, ph, t.depth[b])
+            # (the parent names the structural ancestor: the duel keeps the first one it got)
+            duel.hits([k], [last], [t.depth[b]], self._sampled_above(b))
             if duel.choice != self._choice:
                 self._follow()
         if b in self._live:             # re-key a candidate that was hit
             PriorityPolicy.insert(self, b)
+
+    def access_many(self, blocks) -> None:
+        """`access` of each block of one reused chain, root first (an int array or list),
+        the duel's part in one compiled call (`hit_chain`).
+
+        Exactly `access` block by block: `_calls` is what it would be at the block whose hit
+        moves the duel's choice where `_follow` acts on it, and a chain with a current
+        candidate in it, or not one contiguous run, goes block by block (a re-key must see
+        the expert of its moment)."""
+        ids = blocks.tolist() if isinstance(blocks, np.ndarray) else list(blocks)
+        n = len(ids)
+        live = self._live
+        t = self.blocks
+        key, depth = t.key, t.depth
+        if n < 2 or (live and not live.keys().isdisjoint(ids)) or \
+                depth[ids[-1]] - depth[ids[0]] != n - 1:
+            for b in ids:
+                self.access(b)
+            return
+        keys = [key[b] for b in ids]
+        arr = blocks if isinstance(blocks, np.ndarray) else np.asarray(ids, np.int64)
+        la, dep = t.view("last_access"), t.view("depth")
+        duel, mask = self.duel, self.duel.mask
+        parent = self._sampled_above(ids[0])
+        calls, start = self._calls, 0
+        while True:
+            try:
+                pos, latest = duel.hit_chain(keys, arr, la, dep, start, parent, mask,
+                                             self._choice, calls, self._switched_at,
+                                             self._cap)
+            except TypeError:           # an unpublished block (no key): nothing was done
+                for b in ids[start:]:
+                    self.access(b)
+                return
+            if pos >= n:
+                break
+            self._calls = calls + pos + 1  # the duel moved where `_follow` acts on it
+            self._follow()
+            parent, start = keys[pos], pos + 1
+        self._calls = calls + n
+        if latest > self._now:
+            self._now = latest
 
     def _follow(self) -> None:
         """The duel switched expert: rank by it, re-keying the candidates a few per call.

@@ -19,6 +19,9 @@ Hooks, all called with the control-plane lock held (keep them O(1) or O(log n)):
 - `remove(b)`: b stopped being a candidate (pinned, gained a child, copy dropped).
 - `access(b)`: a request reused b (it may or may not be a candidate right now).
   `blocks.hits[b]` and `blocks.last_access[b]` are already updated when this is called.
+- `access_many(blocks)`: `access` of each block in order, for the blocks of one reused chain
+  (an intp array, root first: the request's matched prefix, or its blocks with a copy in this
+  tier); the cache calls this, once per chain and tier. The default calls `access`.
 - `victims(n)`: remove and return up to `n` candidates, best victim first.
 - `offer(b)`: b became a candidate and the caller takes a victim next: take b at once if it
   would be that victim (the default inserts it and says no; eviction then calls `victim`).
@@ -67,6 +70,14 @@ class CachePolicy(ABC):
 
     def access(self, b: int) -> None:  # noqa: B027 - optional hook, default: no state
         """Most priority policies read `hits`/`last_access` at insert time instead."""
+
+    def access_many(self, blocks) -> None:
+        """`access(b)` for each of `blocks` (an int array or list) in order: one reused chain,
+        root first (see the module docstring). A policy overrides it to do per-chain work
+        once."""
+        access = self.access
+        for b in (blocks.tolist() if hasattr(blocks, "tolist") else blocks):
+            access(b)
 
     @abstractmethod
     def victims(self, n: int) -> list[int]: ...

@@ -143,6 +143,84 @@ class Duel:
             self.hit(h, t, parent, depth)
             parent = h
 
+    # -- a chain at once (the interface `duel_arrays.ArrayDuel` compiles) ----------------------
+    def hits(self, keys: list[bytes], clocks: list[int], depths: list[int],
+             parent: bytes | None, stop: int = -1) -> int:
+        """`hit` of each key in order, each one's parent the one before (the first one's
+        `parent`): the sampled blocks of one reused chain, root first. With `stop` >= 0, stops
+        after the key that moved the choice off `stop`; returns the keys handled."""
+        for i, h in enumerate(keys):
+            self.hit(h, clocks[i], parent, depths[i])
+            parent = h
+            if stop >= 0 and self.choice != stop:
+                return i + 1
+        return len(keys)
+
+    def publish_keys(self, keys: list[bytes], clocks: list[int], depths: list[int],
+                     parent: bytes | None, tail: bool = False) -> None:
+        """`publish` with the chain in columns."""
+        if keys:
+            self.publish(list(zip(keys, clocks, depths)), parent, tail)
+
+    def first_announced(self, keys: list[bytes], seen: list[int]) -> int:
+        """The first i whose key is in the history at a last use >= seen[i], or -1."""
+        hist = self.hist
+        for i, h in enumerate(keys):
+            e = hist.get(h)
+            if e is not None and e[LAST] >= seen[i]:
+                return i
+        return -1
+
+    # -- a chain of blocks (the live policy's loops, as `duel_arrays.ArrayDuel` runs them) ----
+    def hit_chain(self, keys, ids, la, dep, start: int, parent: bytes | None, mask: int,
+                  stop: int, calls0: int, switched_at: int, cap: int) -> tuple[int, int]:
+        """`hit` of the sampled keys among blocks start.. of a reused chain, root first
+        (`ids`; `la`, `dep`: the table's last-use and depth arrays): (the position after
+        whose hit the choice moved off `stop` while the live policy may follow it, else
+        len(keys); the chain's latest last use). TypeError, before any change, if a key is
+        None."""
+        if None in keys[start:]:
+            raise TypeError("hit_chain: a block without a key")
+        latest = max(int(la[b]) for b in ids)
+        for i in range(start, len(keys)):
+            h = keys[i]
+            if h[0] & mask:
+                continue
+            b = int(ids[i])
+            self.hit(h, int(la[b]), parent, int(dep[b]))
+            parent = h
+            if stop >= 0 and self.choice != stop and (
+                    switched_at < 0 or calls0 + i + 1 - switched_at >= cap):
+                return i, latest
+        return len(keys), latest
+
+    def deepest_announced(self, keys, ids, la, mask: int) -> int:
+        """Of a walk's blocks (deepest first), the first sampled one whose key is in the
+        history at a last use >= its own last use, or -1."""
+        for i, h in enumerate(keys):
+            if h[0] & mask:
+                continue
+            e = self.hist.get(h)
+            if e is not None and e[LAST] >= la[ids[i]]:
+                return i
+        return -1
+
+    def walk_publish(self, keys, ids, la, born, dep, mask: int, parent: bytes | None) -> int:
+        """A walk's blocks, deepest first from the block it started at: the sampled ones
+        below the deepest announced one are published root first at their publication
+        clocks, the announced one's key their parent (else `parent`), the tail flag set when
+        the walk's first block is among them; returns how many."""
+        end = self.deepest_announced(keys, ids, la, mask)
+        if end >= 0:
+            parent = keys[end]
+        else:
+            end = len(keys)
+        sel = [i for i in range(end - 1, -1, -1) if not keys[i][0] & mask]
+        if sel:
+            self.publish([(keys[i], int(born[ids[i]]), int(dep[ids[i]])) for i in sel],
+                         parent, not keys[0][0] & mask)
+        return len(sel)
+
     def _publish(self, keys: list[bytes], entries: list[list], tail: bool) -> None:
         if tail and entries[-1][USES] == 1:
             entries[-1][TAIL] = 1

@@ -124,6 +124,7 @@ class MiniCache:
 
     __slots__ = ("lifetimes", "gaps", "cap", "res", "kids", "heap", "n", "turnover", "_duel",
                  "_gone")
+    kind = "credit"
 
     def __init__(self, expert: Expert, cap: int, duel: Duel) -> None:
         self.lifetimes, self.gaps = expert.lifetimes, expert.gaps
@@ -255,6 +256,7 @@ class LruMini:
     """
 
     __slots__ = ("cap", "res", "heap", "turnover", "_duel", "_gone")
+    kind = "lru"
 
     def __init__(self, cap: int, duel: Duel) -> None:
         self.cap = max(1, cap)
