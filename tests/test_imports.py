@@ -78,8 +78,10 @@ ALLOWED: dict[str, set[str]] = {
     "pages": {"pages", "data", "stores", "wire", "config", "kinds", "leaves"},
     "daemon": {"daemon", "leaves", "core", "config", "kinds", "stack", "wire", "metrics",
                "kernels", "pages", "data"},
+    # integrations are the top of the library: the vLLM connector embeds a node service
+    # (daemon) in vLLM's scheduler process and speaks the daemon's wire from its workers
     "integrations": {"integrations", "facade", "config", "core", "data", "leaves", "kernels",
-                     "pages"},
+                     "pages", "wire", "daemon"},
     "tools": {g for g, _ in GROUPS},
     "entry": {"tools"},
     "package": set(),

@@ -15,6 +15,8 @@ Allowed, and why:
   onto config keys (`--gpu-blocks` is `tiers.gpu.num_blocks`): that is the config format, a
   public surface, not a decision by kind.
 - Messages naming config keys (`"tiers.host"`, `f"tiers.{name}"`): never equal to a kind's
+- `CONFIG_FORMAT` below: an integration's settings module that maps its engine's config onto
+  ours (the vLLM connector's `kv_connector_extra_config.tiered_cache`).
   name, so the rule does not see them; they name the config, as the user writes it.
 - The few entries of `ALLOWED` below, each with its reason.
 """
@@ -30,6 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("gpu", "host", "disk", "remote", "daemon")
 """The built-in kinds (checked against the registry below)."""
 
+CONFIG_FORMAT = {
+    "tiered_cache/integrations/vllm/settings.py":
+        "reads `kv_connector_extra_config.tiered_cache` as tools/ read their flags: which "
+        "sections vLLM owns (`tiers.gpu` is vLLM's KV cache), which its service does (host, "
+        "disk, remote), `daemon:` vs `tiers.daemon` (a shared daemon or an embedded service)",
+}
+"""Whole modules that are the config format of an integration, not decisions by kind."""
+
 ALLOWED = {
     ("kernels/api.py", "host"):
         "the kernels' own argument names: a block table entry reads the device pool or the "
@@ -41,6 +51,17 @@ ALLOWED = {
         "the section of a partition's stats() holding the daemon server's own counters",
     ("tiered_cache/daemon/observe.py", "daemon"):
         "the same stats section, read by the daemon's /metrics",
+    # The vLLM connector maps `kv_connector_extra_config.tiered_cache` onto the config format
+    # (as tools/ map their flags): which sections vLLM owns, which its service does.
+    ("tiered_cache/integrations/vllm/embedded.py", "daemon"):
+        "the embedded service's config: its top-level `daemon:` section (socket, uids) set, "
+        "`tiers.daemon` cleared (the service is the daemon)",
+    ("tiered_cache/integrations/vllm/embedded.py", "disk"):
+        "whether the service warms a disk tier up at start (`tiers.disk` given)",
+    ("tiered_cache/integrations/vllm/connector.py", "disk"):
+        "vLLM's CacheHitSource: hits may come from below memory when `tiers.disk` is given",
+    ("tiered_cache/integrations/vllm/connector.py", "remote"):
+        "the same, when `tiers.remote` is given",
 }
 
 
@@ -49,7 +70,8 @@ def _sources() -> list[Path]:
     for top in ("tiered_cache", "kernels", "migrator"):
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            if rel.startswith(("tiered_cache/tiers/", "tiered_cache/tools/")):
+            if rel.startswith(("tiered_cache/tiers/", "tiered_cache/tools/")) \
+                    or rel in CONFIG_FORMAT:
                 continue
             out.append(path)
     return out

@@ -101,8 +101,8 @@ class PageStore:
                 disk = PageDisk(path, num_pages=disk_pages(config, format, path),
                                 format=format, o_direct=config.disk.o_direct)
             if config.remote is not None:
-                from tiered_cache.tiers.remote import connect
                 from tiered_cache.pages.remote import PageRemote
+                from tiered_cache.tiers.remote import connect
 
                 store = connect(config.remote, namespace=format.digest(),
                                 num_tokens=identity.IDENT_TOKENS,
