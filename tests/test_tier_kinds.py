@@ -14,9 +14,9 @@ Allowed, and why:
 - `tiered_cache/tools/`: the applications (plan, run, replay, run-shared) map their flags
   onto config keys (`--gpu-blocks` is `tiers.gpu.num_blocks`): that is the config format, a
   public surface, not a decision by kind.
-- Messages naming config keys (`"tiers.host"`, `f"tiers.{name}"`): never equal to a kind's
 - `CONFIG_FORMAT` below: an integration's settings module that maps its engine's config onto
   ours (the vLLM connector's `kv_connector_extra_config.tiered_cache`).
+- Messages naming config keys (`"tiers.host"`, `f"tiers.{name}"`): never equal to a kind's
   name, so the rule does not see them; they name the config, as the user writes it.
 - The few entries of `ALLOWED` below, each with its reason.
 """
