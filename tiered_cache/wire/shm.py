@@ -20,7 +20,12 @@ memfd + SCM_RIGHTS, not a file in /dev/shm
   truncate the pool under the others' mappings (which would SIGBUS every process touching the
   cut-off pages) or add seals of its own.
 - Read-only clients: `client_fd(writable=False)` reopens the memfd O_RDONLY, so that client can
-  only map it PROT_READ; the kernel, not the client, enforces it.
+  only map it PROT_READ. NOTE: that alone is not enough: the memfd's owner (every client of the
+  daemon's uid, the default allowlist) can reopen `/proc/self/fd/N` O_RDWR. A pool that only the
+  daemon writes (`create(read_only_clients=True)`) is therefore also sealed against future
+  writes (F_SEAL_FUTURE_WRITE, Linux 5.1+) once the daemon holds its own writable mapping: no
+  descriptor, however opened, can then be mapped writable, written, or have holes punched in
+  it; the daemon's existing mapping still writes. (F_SEAL_WRITE would forbid that mapping too.)
 
 The pages are allocated when the pool is created (`posix_fallocate`), so running out of memory
 is an error at start, never a SIGBUS at the first write of a client.
@@ -59,6 +64,7 @@ TORCH_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16
 
 PAGE = mmap.PAGESIZE
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)   # Python 3.11 lacks it
 CUDA_HOST_REGISTER_READ_ONLY = 8        # cudaHostRegisterReadOnly
 
 GEOMETRY_FIELDS = {
@@ -139,10 +145,11 @@ class SharedPool:
     `[num_slots, L, 2, bs, H, D]` tensor over the shared pages."""
 
     def __init__(self, fd: int | None, geometry: PoolGeometry, mm: mmap.mmap,
-                 writable: bool) -> None:
+                 writable: bool, *, write_sealed: bool = False) -> None:
         self.fd = fd
         self.geometry = geometry
         self.writable = writable
+        self.write_sealed = write_sealed    # no new writable mapping of it can be made
         self._mmap: mmap.mmap | None = mm
         self._kv: torch.Tensor | None = None
         self.cuda_registered = False
@@ -157,9 +164,11 @@ class SharedPool:
         return self._kv
 
     @classmethod
-    def create(cls, geometry: PoolGeometry, *, name: str = "pool",
-               populate: bool = True) -> SharedPool:
-        """A new, zeroed pool in a sealed memfd (mode 0600, close-on-exec)."""
+    def create(cls, geometry: PoolGeometry, *, name: str = "pool", populate: bool = True,
+               read_only_clients: bool = False) -> SharedPool:
+        """A new, zeroed pool in a sealed memfd (mode 0600, close-on-exec). With
+        `read_only_clients` only this mapping ever writes it: it is sealed against new writable
+        mappings and writes (see the module's note), and `client_fd` hands out read-only fds."""
         fd = os.memfd_create(f"tiered-cache-{name}",
                              os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -167,14 +176,16 @@ class SharedPool:
             os.ftruncate(fd, geometry.nbytes)
             if populate:
                 os.posix_fallocate(fd, 0, geometry.nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
             mm = _map(fd, geometry.nbytes, writable=True)
+            sealed = read_only_clients and _seal_future_writes(fd, name)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
         except BaseException:
             os.close(fd)
             raise
         log.info("shared pool %r: %d slots of %d bytes (%d MiB) in a memfd", name,
                  geometry.num_slots, geometry.slot_stride, geometry.nbytes >> 20)
-        return cls(fd, geometry, mm, writable=True)
+        return cls(fd, geometry, mm, writable=True, write_sealed=sealed)
 
     @classmethod
     def attach(cls, fd: int, geometry: PoolGeometry, *, writable: bool = True) -> SharedPool:
@@ -202,6 +213,8 @@ class SharedPool:
         one is a fresh O_RDONLY open of the memfd: its holder cannot map it writable."""
         if self.fd is None:
             raise RuntimeError("only the pool's creator hands out its fd")
+        if writable and self.write_sealed:
+            raise RuntimeError("this pool is sealed against writes: only read-only fds of it")
         if writable:
             return os.dup(self.fd)
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -271,6 +284,20 @@ class SharedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _seal_future_writes(fd: int, name: str) -> bool:
+    """F_SEAL_FUTURE_WRITE on `fd` (after the creator's writable mapping exists); False, with an
+    error logged, on a kernel without it (before 5.1): then a client of the pool's uid could
+    reopen its fd writable."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        log.error("shared pool %r: this kernel cannot seal it against writes (%s): a client of "
+                  "the daemon's uid could write it through /proc/self/fd; run the daemon under "
+                  "its own uid (daemon.allow_uids) or on Linux 5.1+", name, exc)
+        return False
+    return True
 
 
 def _view(mm: mmap.mmap, geometry: PoolGeometry) -> torch.Tensor:
