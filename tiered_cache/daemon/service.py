@@ -209,10 +209,16 @@ class NodeService:
             return {"held": seq is not None}
         if op == "publish":
             with state.lock:
-                staging = state.staging
-            if staging is None:
-                raise UnauthorizedError("publish needs the staging area: attach first")
-            taken = part.publish(f["root"], f["entries"], staging)
+                if state.reaped:
+                    raise LeaseExpiredError("the lease expired: reconnect")
+                if state.staging is None:
+                    raise UnauthorizedError("publish needs the staging area: attach first")
+                # NOTE: retained under the client's lock, which the reap takes before it closes
+                # the area: a reap during the copy unmaps it only after the copy (use after
+                # unmap: SIGSEGV, or another mapping's bytes published as this client's KV).
+                retained = state.staging.retain()
+            with retained as staging:
+                taken = part.publish(f["root"], f["entries"], staging)
             return {"taken": [int(x) for x in taken]}
         if op == "lookup":
             return {"blocks": part.lookup(f["root"], f["parent"], f["tokens"])}

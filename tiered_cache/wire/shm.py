@@ -44,6 +44,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +154,9 @@ class SharedPool:
         self._mmap: mmap.mmap | None = mm
         self._kv: torch.Tensor | None = None
         self.cuda_registered = False
+        self._users_lock = threading.Lock()
+        self._users = 0                     # copies under way through the mapping (retain)
+        self._closing = False
 
     @property
     def kv(self) -> torch.Tensor:
@@ -260,12 +264,43 @@ class SharedPool:
 
     # lifetime ---------------------------------------------------------------------------------
 
+    def retain(self) -> _Retained:
+        """Keep the mapping until the returned context exits, whoever calls `close` meanwhile:
+        for a copy through it on one thread while another may close it. Raises PoolClosedError
+        once `close` was called.
+
+        NOTE: torch views do not hold the mapping (torch.frombuffer lets go of the buffer
+        export), so a close under a copy would unmap the pages the copy reads: SIGSEGV, or the
+        bytes of whatever is mapped there next. `close` therefore leaves the unmap to the
+        last retainer."""
+        with self._users_lock:
+            if self._closing:
+                raise PoolClosedError("the shared pool is closed")
+            self._users += 1
+        return _Retained(self)
+
+    def _unretain(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._closing and self._users == 0
+        if last:
+            self._release()
+
     def close(self) -> None:
-        """Release the fd and, once no tensor view of the pool is alive any more, the mapping.
+        """Release the fd and the mapping: now, or when the last copy that retained it ends.
 
         NOTE: views taken from `kv` keep the mapping (and the shared memory) alive until they
         are dropped; a client whose daemon is gone must drop them to give the memory back.
         """
+        with self._users_lock:
+            self._closing = True
+            busy = self._users > 0
+        if busy:
+            log.debug("shared pool closed while copies use it: unmapped after the last")
+            return
+        self._release()
+
+    def _release(self) -> None:
         self.unregister_cuda()
         self._kv = None
         if self._mmap is not None:
@@ -284,6 +319,27 @@ class SharedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PoolClosedError(RuntimeError):
+    """The shared pool was closed (its owner's lease ended): nothing may copy through it."""
+
+
+class _Retained:
+    """`SharedPool.retain()`'s context: exiting it lets a pending close unmap."""
+
+    __slots__ = ("pool", "_done")
+
+    def __init__(self, pool: SharedPool) -> None:
+        self.pool, self._done = pool, False
+
+    def __enter__(self) -> SharedPool:
+        return self.pool
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self._done = True
+            self.pool._unretain()
 
 
 def _seal_future_writes(fd: int, name: str) -> bool:
