@@ -266,7 +266,7 @@ class SharedPool:
 
     def retain(self) -> _Retained:
         """Keep the mapping until the returned context exits, whoever calls `close` meanwhile:
-        for a copy through it on one thread while another may close it. Raises PoolClosedError
+        for a copy through it on one thread while another may close it. Raises RuntimeError
         once `close` was called.
 
         NOTE: torch views do not hold the mapping (torch.frombuffer lets go of the buffer
@@ -275,7 +275,7 @@ class SharedPool:
         last retainer."""
         with self._users_lock:
             if self._closing:
-                raise PoolClosedError("the shared pool is closed")
+                raise RuntimeError("the shared pool is closed")
             self._users += 1
         return _Retained(self)
 
@@ -319,10 +319,6 @@ class SharedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class PoolClosedError(RuntimeError):
-    """The shared pool was closed (its owner's lease ended): nothing may copy through it."""
 
 
 class _Retained:
