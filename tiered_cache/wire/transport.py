@@ -166,10 +166,16 @@ class Server:
             self._state = "starting"
         try:
             self._bind()
-        except BaseException:
+        except BaseException as exc:
             self._release_path()
             with self._lock:
                 self._state = "stopped"
+            if isinstance(exc, OSError):
+                # NOTE: the path is the operator's (daemon.socket): a directory that cannot be
+                # made, a read-only filesystem, a path taken by something else
+                raise ConfigError("daemon.socket", f"cannot listen at {self.path}: "
+                                  f"{exc.strerror or exc}"
+                                  + (f" ({exc.filename})" if exc.filename else "")) from exc
             raise
         self._wake = socket.socketpair()
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
