@@ -153,11 +153,6 @@ class NodeService:
                                     "expired, reconnect)")
         return state
 
-    def connect_local(self, peer: Peer) -> None:
-        """An in-process client (the vLLM connector's LocalTransport) starts as an accepted
-        connection does: with a lease until its hello."""
-        self._connected(peer)
-
     def _connected(self, peer: Peer) -> None:
         self.leases.grant(peer.client, self.config.daemon.hello_timeout_s)
 
