@@ -71,7 +71,7 @@ class BlockTable:
         self.capacity = 0
         self.num_live = 0
         self._free: list[int] = []
-        self._views: dict[tuple[str, int | None], np.ndarray] = {}
+        self._views: dict[tuple[str, int | str | None], np.ndarray | tuple] = {}
         for name, code, fill in self._FIELDS:
             setattr(self, name, _cells(code, 0, fill))
         for name, code, fill in self._PER_TIER:
@@ -213,6 +213,14 @@ class BlockTable:
             cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
             v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
             self._views[(name, tier)] = v
+        return v
+
+    def tier_views(self, name: str) -> tuple[np.ndarray, ...]:
+        """`view(name, t)` of every tier, as a tuple (cached, like the views)."""
+        v = self._views.get((name, "tiers"))
+        if v is None:
+            v = tuple(self.view(name, t) for t in range(self.num_tiers))
+            self._views[(name, "tiers")] = v
         return v
 
     def describe(self, b: int) -> str:

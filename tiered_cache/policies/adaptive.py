@@ -85,6 +85,7 @@ class AdaptivePolicy(PriorityPolicy):
 
     name = "adaptive"
     hears_every_access = True           # the duel must hear every sampled hit
+    offers_runs = True                  # `offer(b)` reads b, and its ancestors' parents/hits
     experts: tuple[Expert, ...] = EXPERTS
     z: float = Z
     mini_slots: int = MINI_SLOTS
@@ -459,32 +460,32 @@ class AdaptivePolicy(PriorityPolicy):
         n = len(ids)
         live = self._live
         t = self.blocks
-        key, depth = t.key, t.depth
+        depth = t.depth
         if n < 2 or (live and not live.keys().isdisjoint(ids)) or \
                 depth[ids[-1]] - depth[ids[0]] != n - 1:
             for b in ids:
                 self.access(b)
             return
-        keys = [key[b] for b in ids]
+        try:
+            # (the chain's keys in one buffer, as the duel takes them)
+            kb = b"".join(map(t.key.__getitem__, ids))
+        except TypeError:               # an unpublished block (no key): nothing was done
+            for b in ids:
+                self.access(b)
+            return
         arr = blocks if isinstance(blocks, np.ndarray) else np.asarray(ids, np.int64)
         la, dep = t.view("last_access"), t.view("depth")
         duel, mask = self.duel, self.duel.mask
         parent = self._sampled_above(ids[0])
         calls, start = self._calls, 0
         while True:
-            try:
-                pos, latest = duel.hit_chain(keys, arr, la, dep, start, parent, mask,
-                                             self._choice, calls, self._switched_at,
-                                             self._cap)
-            except TypeError:           # an unpublished block (no key): nothing was done
-                for b in ids[start:]:
-                    self.access(b)
-                return
+            pos, latest = duel.hit_chain(kb, arr, la, dep, start, parent, mask, self._choice,
+                                         calls, self._switched_at, self._cap)
             if pos >= n:
                 break
             self._calls = calls + pos + 1  # the duel moved where `_follow` acts on it
             self._follow()
-            parent, start = keys[pos], pos + 1
+            parent, start = kb[16 * pos:16 * pos + 16], pos + 1
         self._calls = calls + n
         if latest > self._now:
             self._now = latest
