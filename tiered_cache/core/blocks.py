@@ -152,6 +152,9 @@ class BlockTable:
             return
         # NOTE: an array cannot be resized while a numpy view exports its buffer.
         self._views.clear()
+        if self.capacity == 0:
+            self._first(capacity)
+            return
         for name, code, fill in self._FIELDS:
             getattr(self, name).extend(_cells(code, extra, fill))
         for name, code, fill in self._PER_TIER:
@@ -162,6 +165,23 @@ class BlockTable:
             [self.tokens, np.zeros((extra, self.block_size), dtype=np.int32)])
         # Lowest ids are handed out first (pop from the end).
         self._free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+
+    def _first(self, capacity: int) -> None:
+        """`grow` of an empty table: every column made at its size in one allocation.
+
+        NOTE: no temporary of the table's size is made and freed (as extending would): glibc
+        serves large blocks with mmap and, once one is freed, raises the size it mmaps above to
+        that block's size, so a freed temporary of a column's size would make every later
+        allocation below it (the prefix dict's tables as it grows) come from the heap, whose
+        freed holes are never given back: ~60 resident bytes per cached block here."""
+        for name, code, fill in self._FIELDS:
+            setattr(self, name, _cells(code, capacity, fill))
+        for name, code, fill in self._PER_TIER:
+            setattr(self, name, [_cells(code, capacity, fill) for _ in range(self.num_tiers)])
+        self.key = [None] * capacity
+        self.tokens = np.zeros((capacity, self.block_size), dtype=np.int32)
+        self._free = list(range(capacity - 1, -1, -1))      # lowest ids first (pop: the end)
         self.capacity = capacity
 
     # ------------------------------------------------------------------ reads

@@ -180,7 +180,9 @@ class ArrayDuel:
     def _grow_slots(self, n: int) -> None:
         S = self._S
         have = S.shape[0]
-        size = max(n, 2 * have)
+        # NOTE: doubling, but never past what the history can hold (hist_limit entries, plus
+        # the k + 1 a trim may keep, plus a call's own new ones: `_grow` asks for those).
+        size = max(n, min(2 * have, self.hist_limit + self._k + 2 + 64))
         new = np.zeros((size, S.shape[1]), np.int64)
         new[:have] = S
         self._S = new
