@@ -235,7 +235,8 @@ def test_state_stays_bounded_under_churn(host):
     for tier in cache.tiers:
         p = tier.policy
         slots = tier.allocator.num_slots
-        assert len(p._ghost) + len(p._ghost_old) <= GHOST_PER_SLOT * slots
+        assert len(p._ghost.current()) + len(p._ghost.old()) <= GHOST_PER_SLOT * slots
+        assert len(p._ghost.current()) == len(p._ghost) > 0
         assert len(p._live) == len(p) <= slots
         assert len(p._heap) + len(p._old) <= max(1024, 2 * len(p._live)) + 2 * p._DRAIN
         assert len(p._rekey) <= len(p._live)
@@ -425,12 +426,15 @@ def test_a_disk_restart_rebuilds_candidates_with_their_use_counts(tmp_path):
 
 class Plain(AdaptivePolicy):
     """adaptive on its plain paths: the reference duel (`duel.Duel`), `access` block by block,
-    the walk block by block in Python and the general `offer`."""
+    the walk block by block in Python, the general `offer`, and eviction one block at a time
+    (no runs)."""
 
     name = "adaptive_plain"
     duel_class = Duel
     access_many = CachePolicy.access_many             # one block at a time
     offer = AdaptivePolicy._offer
+    offer_run = CachePolicy.offer_run                 # eviction offers block by block
+    offers_runs = False
     _walk = AdaptivePolicy._walk_each
 
 

@@ -71,7 +71,7 @@ class BlockTable:
         self.capacity = 0
         self.num_live = 0
         self._free: list[int] = []
-        self._views: dict[tuple[str, int | None], np.ndarray] = {}
+        self._views: dict[tuple[str, int | str | None], np.ndarray | tuple] = {}
         for name, code, fill in self._FIELDS:
             setattr(self, name, _cells(code, 0, fill))
         for name, code, fill in self._PER_TIER:
@@ -152,6 +152,9 @@ class BlockTable:
             return
         # NOTE: an array cannot be resized while a numpy view exports its buffer.
         self._views.clear()
+        if self.capacity == 0:
+            self._first(capacity)
+            return
         for name, code, fill in self._FIELDS:
             getattr(self, name).extend(_cells(code, extra, fill))
         for name, code, fill in self._PER_TIER:
@@ -162,6 +165,23 @@ class BlockTable:
             [self.tokens, np.zeros((extra, self.block_size), dtype=np.int32)])
         # Lowest ids are handed out first (pop from the end).
         self._free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+
+    def _first(self, capacity: int) -> None:
+        """`grow` of an empty table: every column made at its size in one allocation.
+
+        NOTE: no temporary of the table's size is made and freed (as extending would): glibc
+        serves large blocks with mmap and, once one is freed, raises the size it mmaps above to
+        that block's size, so a freed temporary of a column's size would make every later
+        allocation below it (the prefix dict's tables as it grows) come from the heap, whose
+        freed holes are never given back: ~60 resident bytes per cached block here."""
+        for name, code, fill in self._FIELDS:
+            setattr(self, name, _cells(code, capacity, fill))
+        for name, code, fill in self._PER_TIER:
+            setattr(self, name, [_cells(code, capacity, fill) for _ in range(self.num_tiers)])
+        self.key = [None] * capacity
+        self.tokens = np.zeros((capacity, self.block_size), dtype=np.int32)
+        self._free = list(range(capacity - 1, -1, -1))      # lowest ids first (pop: the end)
         self.capacity = capacity
 
     # ------------------------------------------------------------------ reads
@@ -213,6 +233,14 @@ class BlockTable:
             cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
             v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
             self._views[(name, tier)] = v
+        return v
+
+    def tier_views(self, name: str) -> tuple[np.ndarray, ...]:
+        """`view(name, t)` of every tier, as a tuple (cached, like the views)."""
+        v = self._views.get((name, "tiers"))
+        if v is None:
+            v = tuple(self.view(name, t) for t in range(self.num_tiers))
+            self._views[(name, "tiers")] = v
         return v
 
     def describe(self, b: int) -> str:

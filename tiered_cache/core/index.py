@@ -77,8 +77,12 @@ from tiered_cache.errors import (
     TransferError,
 )
 from tiered_cache.hashing import BlockHasher
+from tiered_cache.jit import LazyModule
 from tiered_cache.locking import HoldStats, TimedLock
 from tiered_cache.policies.base import CachePolicy
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 __all__ = ["COUNTERS", "DEVICE", "BlockIndex", "BlockInfo", "Counters", "Promote", "Worth"]
 
@@ -194,6 +198,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         self.persist = Persistence(self)
         self.inflight = InFlight(self, share_inflight)
         self._bind()
+        chains.warm_up(len(specs))
 
     def _bind(self) -> None:
         """Local aliases of the table's arrays for the hot paths (rebound when it grows)."""
@@ -576,22 +581,19 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             ids = seq.match_ids
             if len(ids) != len(blocks):
                 ids = np.asarray(blocks, dtype=np.intp)
-            ids = ids[::-1]
             published = t.view("published")
-            pub = published[ids]
-            every = np.count_nonzero(pub) == len(ids)
-            t.view("last_access")[ids if every else ids[pub != 0]] = self.clock
+            every = chains.stamp(ids, published, t.view("last_access"), self.clock) == len(ids)
             if seq.registered or seq.waiters:
                 self.inflight.close(seq)
-            zero = self._unpin_ids(ids)
+            zero = self._unpin_ids(ids, rev=True)
             # NOTE: only a private block is released here; with every block published (a
             # hit's close) there is none to look for.
             if len(zero) and not every:
                 # NOTE: releasing a private block changes no other block's key or flight.
-                private = published[zero] == 0
-                if np.count_nonzero(private):
-                    for b in zero[private & (t.view("in_flight")[zero] == 0)].tolist():
-                        self._release(b)
+                out = np.empty(len(zero), dtype=np.intp)
+                m = chains.releasable(zero, len(zero), published, t.view("in_flight"), out)
+                for b in out[:m].tolist():
+                    self._release(b)
         elif seq.registered or seq.waiters:
             self.inflight.close(seq)
         seq.blocks = []
@@ -747,26 +749,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         verify_tokens, its stored token ids equal the request's. `data`: the request's token
         ids as int32 bytes (at least the matched blocks'), if the caller has them."""
         t = self.blocks
-        n = len(matched)
-        bs = self.block_size
-        parents = t.view("parent")[ids].astype(np.intp)
-        stored = t.tokens[ids] if self.verify_tokens else None
-        if data is None:
-            data = seq.token_ids[:n * bs].tobytes()
-        # NOTE: whole-chain byte comparisons first: one call each where the match is good
-        # (nearly always); the per-block search below only runs on a collision. The stored
-        # rows are int32, as `data` is: equal bytes are equal token ids.
-        if (parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
-                and parents[1:].tobytes() == ids[:-1].tobytes()
-                and (stored is None or stored.tobytes() == data[:n * bs * 4])):
-            return n
-        want = seq.token_ids[:n * bs]
-        ok = np.empty(n, dtype=bool)
-        ok[0] = parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
-        np.equal(parents[1:], ids[:-1], out=ok[1:])
-        if stored is not None:
-            ok &= (stored == want.reshape(n, bs)).all(axis=1)
-        return n if ok.all() else int(np.argmin(ok))
+        return chains.verify(ids, t.view("parent"), t.view("root_id"), t.tokens,
+                             seq.token_ids, self.block_size, seq.root_id, self.verify_tokens)
 
     # ------------------------------------------------------------------ publishing
     def _publish_ready(self, seq: Sequence) -> list[int]:

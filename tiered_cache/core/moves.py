@@ -186,14 +186,22 @@ def _extend_chains(idx: BlockIndex, src: int, victims: list[int], n: int) -> Non
 
 
 def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
+    """Apply a demotion batch's copy (ok) or give its destinations back.
+
+    NOTE: deepest blocks first. A block whose child in the batch has landed below already
+    has a resident child there, so it never becomes a candidate of the tier below just to
+    stop being one when that child lands (in plan order, by source slot, a chain's blocks
+    came root first: each was inserted into the lower tier's policy and removed again, and
+    each insert of a never-used block walked its chain for the duel)."""
     with idx.locked():
         t = idx.blocks
-        for tr in plan:
+        depth = t.depth
+        done = 0
+        for tr in sorted(plan, key=lambda tr: -depth[tr.block]):
             b = tr.block
             idx.space.unreserve(tr.dst_tier)
             if ok and t.key[b] is not None:
-                idx.count("demotions")
-                idx.count("demotion_bytes", idx.block_bytes)
+                done += 1
                 if tr.keep:                 # a persisted ancestor keeps its faster copies
                     idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
                 elif t.ref_count[b] == 0:
@@ -204,6 +212,9 @@ def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
             else:
                 idx.space.free_slot(tr.dst_tier, tr.dst_slot)
             idx.copies.end_move(b)
+        if done:
+            idx.count("demotions", done)
+            idx.count("demotion_bytes", done * idx.block_bytes)
 
 
 # ---------------------------------------------------------------- write-through
@@ -237,18 +248,23 @@ def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
 def commit_copy_down(idx: BlockIndex, plan: list[Transfer], ok: bool,
                      counter: str | None = "write_through_blocks") -> None:
     """Commit a plan of extra copies (`plan_copy_down`, `plan_drain`): each block gets its new
-    copy if `ok`, else the reserved slot is given back; `counter` counts the copies made."""
+    copy if `ok`, else the reserved slot is given back; `counter` counts the copies made.
+    Deepest blocks first, as `commit_demotion` (no candidacy of the tier below that a
+    child landing right after would take back)."""
     with idx.locked():
-        for tr in plan:
+        depth = idx.blocks.depth
+        done = 0
+        for tr in sorted(plan, key=lambda tr: -depth[tr.block]):
             b = tr.block
             idx.space.unreserve(tr.dst_tier)
             if ok and idx.blocks.key[b] is not None:
                 idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
-                if counter is not None:
-                    idx.count(counter)
+                done += 1
             else:
                 idx.space.free_slot(tr.dst_tier, tr.dst_slot)
             idx.copies.end_move(b)
+        if done and counter is not None:
+            idx.count(counter, done)
 
 
 # ---------------------------------------------------------------- drain (a graceful stop)

@@ -197,7 +197,9 @@ class ArrayDuel:
     def _grow_slots(self, n: int) -> None:
         S = self._S
         have = S.shape[0]
-        size = max(n, 2 * have)
+        # NOTE: doubling, but never past what the history can hold (hist_limit entries, plus
+        # the k + 1 a trim may keep, plus a call's own new ones: `_grow` asks for those).
+        size = max(n, min(2 * have, self.hist_limit + self._k + 2 + 64))
         new = np.zeros((size, S.shape[1]), np.int64)
         new[:have] = S
         self._S = new
@@ -296,16 +298,16 @@ class ArrayDuel:
         return K.first_announced(self._S, self._T, kb, ints, len(keys))
 
     # -- a chain of blocks (the live policy's loops; see duel_kernels) ----------------------
-    def hit_chain(self, keys: Sequence[bytes], ids: np.ndarray, la: np.ndarray,
+    def hit_chain(self, keys: Sequence[bytes] | bytes, ids: np.ndarray, la: np.ndarray,
                   dep: np.ndarray, start: int, parent: bytes | None, mask: int, stop: int,
                   calls0: int, switched_at: int, cap: int) -> tuple[int, int]:
         """`hit` of the sampled keys among blocks start.. of a reused chain, root first
-        (`ids`; `la`, `dep`: the table's last-use and depth arrays): (the position after
-        whose hit the choice moved off `stop` while the live policy may follow it, else
-        len(keys); the chain's latest last use). See duel_kernels.hit_chain. TypeError,
-        before any change, if a key is None."""
-        n = len(keys)
-        kb = _EMPTY.join(keys)
+        (`ids`, their keys: a list, or joined in one bytes object; `la`, `dep`: the table's
+        last-use and depth arrays): (the position after whose hit the choice moved off `stop`
+        while the live policy may follow it, else len(ids); the chain's latest last use).
+        See duel_kernels.hit_chain. TypeError, before any change, if a key is None."""
+        n = len(ids)
+        kb = keys if type(keys) is bytes else _EMPTY.join(keys)
         if len(kb) != 16 * n:
             raise ValueError("duel keys are 16 bytes")
         phi, plo, pnone = _words(parent)
