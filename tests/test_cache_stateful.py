@@ -274,17 +274,43 @@ METADATA_SETTINGS = settings(max_examples=100, stateful_step_count=150, deadline
                                                     HealthCheck.filter_too_much])
 
 
+QUICK = {"max_examples": 10, "stateful_step_count": 30}
+"""`make test-fast`: a few runs of each machine; `make test` (the `slow` ones) the full counts."""
+
+
+def tensor_machine(dtype: str, write_policy: str) -> type:
+    return type(f"TensorMachine_{dtype}_{write_policy}", (TensorMachine,),
+                {"dtype": dtype, "write_policy": write_policy})
+
+
+@pytest.mark.parametrize("dtype,write_policy", [("float32", "write_back"),
+                                                ("bfloat16", "write_through")])
+def test_tensor_cache_state_machine_quick(dtype, write_policy):
+    run_state_machine_as_test(tensor_machine(dtype, write_policy),
+                              settings=settings(TENSOR_SETTINGS, **QUICK))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("write_policy", WRITE_POLICIES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tensor_cache_state_machine(dtype, write_policy):
-    machine = type(f"TensorMachine_{dtype}_{write_policy}", (TensorMachine,),
-                   {"dtype": dtype, "write_policy": write_policy})
-    run_state_machine_as_test(machine, settings=TENSOR_SETTINGS)
+    run_state_machine_as_test(tensor_machine(dtype, write_policy), settings=TENSOR_SETTINGS)
 
 
+def test_tensor_cache_state_machine_sharing_inflight_quick():
+    run_state_machine_as_test(InflightTensorMachine, settings=settings(TENSOR_SETTINGS, **QUICK))
+
+
+@pytest.mark.slow
 def test_tensor_cache_state_machine_sharing_inflight():
     run_state_machine_as_test(InflightTensorMachine, settings=TENSOR_SETTINGS)
 
 
+def test_metadata_cache_state_machine_quick():
+    run_state_machine_as_test(MetadataMachine, settings=settings(
+        METADATA_SETTINGS, max_examples=15, stateful_step_count=100))
+
+
+@pytest.mark.slow
 def test_metadata_cache_state_machine():
     run_state_machine_as_test(MetadataMachine, settings=METADATA_SETTINGS)

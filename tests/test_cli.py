@@ -27,6 +27,7 @@ def python(code: str) -> subprocess.CompletedProcess:
 # --- the library does not import the tools' extra ------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["tiered_cache", "tiered_cache.cache"])
 def test_library_imports_neither_matplotlib_nor_tqdm(module):
     proc = python(f"import sys, {module}; print(sorted(m for m in ('matplotlib', 'tqdm') "
@@ -35,6 +36,7 @@ def test_library_imports_neither_matplotlib_nor_tqdm(module):
     assert proc.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_building_the_command_line_imports_neither():
     proc = python("import sys; from tiered_cache.tools import cli; cli.build_parser(); "
                   "print(sorted(m for m in ('matplotlib', 'tqdm') if m in sys.modules))")
@@ -64,6 +66,7 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"tiered-cache {tiered_cache.__version__}\n"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SCRIPT.exists(), reason="console script not installed next to python")
 def test_version_from_the_installed_script():
     proc = subprocess.run([str(SCRIPT), "--version"], capture_output=True, text=True,
@@ -198,6 +201,7 @@ def test_run_lets_bugs_through():
         command.run(body, "tiered-cache x")
 
 
+@pytest.mark.slow
 def test_closed_stdout_ends_quietly():
     """`tiered-cache replay ... --json | head -c 0`: the reader is gone when the report is
     written; the command ends without a BrokenPipeError traceback (exit code 1)."""

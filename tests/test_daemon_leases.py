@@ -211,6 +211,7 @@ def flush_reaper(c: Client) -> None:
     wait_for(lambda: events(c, probe)["expired"] == 1, "the probe's lease to end")
 
 
+@pytest.mark.slow
 def test_a_sigkilled_client_is_disconnected_and_reaped_exactly_once(daemon):
     child, client = spawn_child(daemon.socket_path)
     with Client(daemon.socket_path, PROTO) as c:
@@ -224,6 +225,7 @@ def test_a_sigkilled_client_is_disconnected_and_reaped_exactly_once(daemon):
     assert leases["closed"] >= 2 and leases["callback_errors"] == 0
 
 
+@pytest.mark.slow
 def test_a_stopped_client_times_out_once_and_its_heartbeat_hears_of_it(daemon):
     child, client = spawn_child(daemon.socket_path)
     with Client(daemon.socket_path, PROTO) as c:
@@ -244,6 +246,7 @@ def test_a_stopped_client_times_out_once_and_its_heartbeat_hears_of_it(daemon):
         assert events(c, client) == Counter({"expired": 1, "disconnected": 1})
 
 
+@pytest.mark.slow
 def test_heartbeat_keeps_a_lease_and_survives_the_daemon_going_away():
     d = Path(tempfile.mkdtemp(prefix="tc-hb-"))
     path = d / "d.sock"

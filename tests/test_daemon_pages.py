@@ -29,6 +29,8 @@ from tiered_cache.wire.client import Client
 from tiered_cache.wire.errors import DaemonError, LeaseExpiredError, VersionError
 from tiered_cache.wire.ops import make_protocol
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 HERE = Path(__file__).parent
 CLIENT = str(HERE / "page_client.py")
 

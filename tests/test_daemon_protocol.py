@@ -404,6 +404,7 @@ def rejected(path: str) -> Counter:
     return Counter(stats(path)["rejected"])
 
 
+@pytest.mark.slow
 @given(st.lists(BODIES, min_size=1, max_size=6))
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -462,6 +463,7 @@ CUT_STREAMS = st.lists(BODIES, max_size=3).map(lambda bs: b"".join(frame(b) for 
     lambda s: st.integers(0, len(s)).map(lambda k: s[:k]))
 
 
+@pytest.mark.slow
 @given(st.binary(max_size=64) | CUT_STREAMS)
 @settings(max_examples=50, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -481,6 +483,7 @@ def test_fuzzed_streams_and_cut_frames_are_counted_and_closed(daemon, stream):
     assert rejected(path) - before == want
 
 
+@pytest.mark.slow
 def test_broken_framing_cases(daemon):
     path = daemon.socket_path
     cases = [
@@ -521,6 +524,7 @@ def test_broken_framing_cases(daemon):
         s.close()
 
 
+@pytest.mark.slow
 def test_version_error_from_the_daemon_names_both_versions(daemon):
     s = raw_connection(daemon.socket_path)
     s.sendall(frame(body({"v": 99, "op": "ping", "id": 3})))
@@ -531,6 +535,7 @@ def test_version_error_from_the_daemon_names_both_versions(daemon):
     assert f"speaks version {VERSION}" in reply["error"]["message"]
 
 
+@pytest.mark.slow
 def test_client_raises_the_daemons_typed_errors(daemon):
     with Client(daemon.socket_path, PROTO) as c:
         with pytest.raises(LeaseExpiredError, match="asked to fail"):

@@ -26,24 +26,17 @@ from tiered_cache.daemon.process import NodeProcess
 from tiered_cache.wire.client import Client
 from tiered_cache.wire.ops import make_protocol
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 rs.require()
 HERE = Path(__file__).parent
 ENGINE = str(HERE / "daemon_engine.py")
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def server():
-    with rs.RedisServer() as srv:
-        yield srv
-
-
 @pytest.fixture
-def redis_url(server):
-    if server.proc is None or server.proc.poll() is not None:
-        server.start()
-    server.raw().flushall()
-    return server.url
+def redis_url(redis_flushed):
+    return redis_flushed.url
 
 
 def daemon_config(tmp: Path, name: str, url: str, *, remote: str = "", daemon: str = "",
@@ -153,11 +146,11 @@ def test_tenants_stay_apart_in_the_store(tmp_path, redis_url):
 # ------------------------------------------------------------------ faults
 
 
-def test_a_corrupt_value_in_the_store_is_a_miss_never_wrong_kv(tmp_path, server, redis_url):
+def test_a_corrupt_value_in_the_store_is_a_miss_never_wrong_kv(tmp_path, redis_server, redis_url):
     with daemons(tmp_path, redis_url) as (a, b):
         run_engine(a.socket_path, "write", 3000, 48)
         wait_for(lambda: put_blocks(a.socket_path) == 12, "A's puts")
-        raw = server.raw()
+        raw = redis_server.raw()
         keys = sorted(raw.keys("tc:*"))
         assert len(keys) == 12
         for k in keys[::3]:                 # flip one payload byte in every third value
@@ -172,13 +165,13 @@ def test_a_corrupt_value_in_the_store_is_a_miss_never_wrong_kv(tmp_path, server,
         assert r["cached"] < 48             # the corrupt blocks were not served
 
 
-def test_a_corrupt_record_costs_only_the_blocks_from_the_store(tmp_path, server, redis_url):
+def test_a_corrupt_record_costs_only_the_blocks_from_the_store(tmp_path, redis_server, redis_url):
     """B holds the first 4 blocks itself; the 8 after them only the store has, one of them
     corrupt: B's fetch still serves its own 4 (checked KV), not nothing."""
     with daemons(tmp_path, redis_url) as (a, b):
         run_engine(b.socket_path, "write", 4000, 16)            # B's own 4 blocks
         wait_for(lambda: put_blocks(b.socket_path) == 4, "B's puts")
-        raw = server.raw()
+        raw = redis_server.raw()
         own = set(raw.keys("tc:*"))
         run_engine(a.socket_path, "write", 4000, 48)            # A: the same 4, then 8 more
         wait_for(lambda: len(raw.keys("tc:*")) == 12, "A's puts")
@@ -196,11 +189,11 @@ def test_a_corrupt_record_costs_only_the_blocks_from_the_store(tmp_path, server,
         assert pb["daemon"]["fetch_failures"] >= 1
 
 
-def test_a_dead_store_costs_the_daemon_only_the_store(tmp_path, server, redis_url):
+def test_a_dead_store_costs_the_daemon_only_the_store(tmp_path, redis_server, redis_url):
     with daemons(tmp_path, redis_url, "a") as (a,):
         run_engine(a.socket_path, "write", 1000, 32)
         wait_for(lambda: put_blocks(a.socket_path) == 8, "A's puts")
-        server.kill()                       # SIGKILL: the store vanishes mid-run
+        redis_server.kill()                       # SIGKILL: the store vanishes mid-run
         # The pool still serves what it has, new prefixes are computed and published, and a
         # prefix nobody has is a plain miss (bounded by the lookup deadline).
         r = run_engine(a.socket_path, "read", 1000, 32)
@@ -213,13 +206,13 @@ def test_a_dead_store_costs_the_daemon_only_the_store(tmp_path, server, redis_ur
         assert store["errors"] + store["put_failed"] + store["skipped"] >= 1, store
         # The server comes back (empty): the daemon's breaker lets it in again, and what is
         # written from then on reaches it.
-        server.start()
+        redis_server.start()
         w2 = run_engine(a.socket_path, "write", 4000, 32)
         assert w2["ok"] and w2["published"] == 8
         wait_for(lambda: partition(a.socket_path)["tiers"]["remote"]["store"]["reconnects"]
                  >= 1, "the store to be taken back", 60)
         run_engine(a.socket_path, "write", 4400, 32)
-        wait_for(lambda: len(server.raw().keys("tc:*")) >= 8, "puts after the restart", 60)
+        wait_for(lambda: len(redis_server.raw().keys("tc:*")) >= 8, "puts after the restart", 60)
 
 
 def test_the_cost_model_skips_a_store_that_loses_to_recompute(tmp_path, redis_url):
@@ -237,7 +230,7 @@ def test_the_cost_model_skips_a_store_that_loses_to_recompute(tmp_path, redis_ur
         assert pb["tiers"]["remote"]["loaded_blocks"] == 0
 
 
-def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, server, redis_url):
+def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, redis_server, redis_url):
     import numpy as np
 
     with daemons(tmp_path, redis_url) as (a, b):
@@ -251,7 +244,7 @@ def test_invalidate_through_one_daemon_reaches_the_store(tmp_path, server, redis
         finally:
             c.close()
         assert dropped == 12                    # the prefix and everything below it, in A
-        assert len(server.raw().keys("tc:*")) == 10     # its own two records, in the store
+        assert len(redis_server.raw().keys("tc:*")) == 10     # its own two records, in the store
         r = run_engine(b.socket_path, "read", 8000, 48)
         assert r["ok"] and r["cached"] == 0     # nothing below them is reachable
 

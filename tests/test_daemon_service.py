@@ -22,6 +22,8 @@ from tiered_cache.wire.errors import LeaseExpiredError
 from tiered_cache.wire.ops import make_protocol
 from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 HERE = Path(__file__).parent
 ENGINE = str(HERE / "daemon_engine.py")
 BLOCK = 4

@@ -31,8 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 """The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 
+OTHER_TESTS_SHM = ("tc-disk-", "tc-odirect-")
+"""Files test_disk.py makes in /dev/shm (a filesystem without O_DIRECT), maybe at the same time
+on another xdist worker: not this module's daemons'."""
+
+
 def shm_names() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    names = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return {n for n in names if not n.startswith(OTHER_TESTS_SHM)}
 
 
 def attach(c: Client, writable: bool = True) -> SharedPool:
@@ -178,6 +184,7 @@ def read_line(proc: subprocess.Popen, timeout: float = 120.0) -> str:
     return proc.stdout.readline().strip()
 
 
+@pytest.mark.slow
 def test_two_processes_see_each_others_writes_byte_for_byte(daemon):
     with Client(daemon.socket_path, PROTO) as c:
         pool = attach(c)
@@ -200,6 +207,7 @@ def test_two_processes_see_each_others_writes_byte_for_byte(daemon):
         pool.close()
 
 
+@pytest.mark.slow
 def test_a_read_only_client_reads_but_cannot_map_writable(daemon):
     with Client(daemon.socket_path, PROTO) as c:
         writer = attach(c)
@@ -224,6 +232,7 @@ def test_a_read_only_client_reads_but_cannot_map_writable(daemon):
         writer.close()
 
 
+@pytest.mark.slow
 def test_a_sigkilled_daemon_leaves_nothing_behind():
     d = Path(tempfile.mkdtemp(prefix="tc-shmk-"))
     before = shm_names()

@@ -110,6 +110,7 @@ def in_process_server(path, handler=None, disconnected=None, **config) -> Server
 # --- identities and the allowlist --------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_so_peercred_gives_the_real_pid_of_a_client_process(shared):
     child = spawn(CHILD_CLIENT, shared.socket_path)
     try:
@@ -149,6 +150,7 @@ def test_the_allowlist_admits_by_gid_too(sockdir):
             assert c.call("say", what="hi") == {"what": "hi"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
 def test_another_user_cannot_even_reach_the_socket(shared):
     # NOTE: the socket is 0600 in a 0700 directory: a process of another uid cannot connect at
@@ -185,6 +187,7 @@ def test_socket_mode_and_private_directory(sockdir):
     assert (sockdir / "run" / "d.sock.lock").exists()
 
 
+@pytest.mark.slow
 def test_refuses_a_shared_directory_a_non_socket_and_a_long_path(sockdir):
     shared = sockdir / "shared"
     shared.mkdir()
@@ -201,6 +204,7 @@ def test_refuses_a_shared_directory_a_non_socket_and_a_long_path(sockdir):
         ServerConfig(str(sockdir / "d.sock"), socket_mode=0o666)
 
 
+@pytest.mark.slow
 def test_a_second_daemon_refuses_while_the_first_lives_and_starts_after_a_sigkill(daemon):
     with pytest.raises(DaemonRunningError, match=f"pid {daemon.pid}"):
         in_process_server(daemon.socket_path).start()
@@ -230,6 +234,7 @@ def test_refuses_when_something_answers_without_holding_the_lock(sockdir):
 # --- clients -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_many_threads_share_one_client(shared):
     errors = []
     with Client(shared.socket_path, PROTO) as c:
@@ -250,6 +255,7 @@ def test_many_threads_share_one_client(shared):
     assert not errors
 
 
+@pytest.mark.slow
 def test_many_client_processes_at_once(shared):
     code = """
         import sys
@@ -269,6 +275,7 @@ def test_many_client_processes_at_once(shared):
     assert s["server"]["requests"] >= 300 and s["rejected"] == {}
 
 
+@pytest.mark.slow
 def test_client_validates_before_sending(shared):
     with Client(shared.socket_path, PROTO) as c:
         with pytest.raises(SchemaError, match="sleep.ms"):
@@ -279,6 +286,7 @@ def test_client_validates_before_sending(shared):
         assert c.call("ping") == {} and c.generation == 1
 
 
+@pytest.mark.slow
 def test_timeout_drops_the_connection_and_the_next_request_reconnects(shared):
     with Client(shared.socket_path, PROTO, timeout_s=30) as c:
         first = c.client_id
@@ -290,6 +298,7 @@ def test_timeout_drops_the_connection_and_the_next_request_reconnects(shared):
         assert c.generation == 2 and c.client_id != first
 
 
+@pytest.mark.slow
 def test_daemon_gone_is_typed_and_reconnect_is_on_demand(sockdir):
     path = sockdir / "d.sock"
     c = Client(str(path), PROTO, timeout_s=30)
@@ -306,6 +315,7 @@ def test_daemon_gone_is_typed_and_reconnect_is_on_demand(sockdir):
     c.close()
 
 
+@pytest.mark.slow
 def test_too_many_clients_are_refused(sockdir):
     with ServerProcess(sockdir / "d.sock", "--max-clients", "2") as d:
         a, b = Client(d.socket_path, PROTO).connect(), Client(d.socket_path, PROTO).connect()
@@ -317,6 +327,7 @@ def test_too_many_clients_are_refused(sockdir):
         b.close()
 
 
+@pytest.mark.slow
 def test_disconnected_is_called_once_per_connection(sockdir):
     gone: list[Peer] = []
     with in_process_server(sockdir / "d.sock", disconnected=gone.append) as server:
@@ -336,6 +347,7 @@ def test_disconnected_is_called_once_per_connection(sockdir):
 # --- graceful stop -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_requests_in_flight_then_stops(daemon):
     result: dict = {}
 

@@ -457,6 +457,7 @@ def _holder(path: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_another_process_holds_the_lock_until_it_closes(tmp_path):
     proc = _holder(tmp_path)
     try:
@@ -472,6 +473,7 @@ def test_another_process_holds_the_lock_until_it_closes(tmp_path):
         proc.wait()
 
 
+@pytest.mark.slow
 def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):
     proc = _holder(tmp_path)
     with pytest.raises(LockHeldError):
@@ -481,6 +483,7 @@ def test_a_sigkilled_holder_leaves_no_stale_lock(tmp_path):
     open_pool(tmp_path).close()
 
 
+@pytest.mark.slow
 def test_this_process_holding_refuses_another(tmp_path):
     with open_pool(tmp_path):
         code = ("import sys\nfrom tiered_cache.data.disk import DiskPool\n"

@@ -85,6 +85,7 @@ def writer_main(path: str, gen: int, seed: int) -> None:
         print(json.dumps({"done": r}), flush=True)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_recovers_every_completed_write(tmp_path):
     rng = random.Random(1234)
     committed: dict[int, str | None] = {}           # what the disk holds, as verified
@@ -222,6 +223,7 @@ def _run_crash_points(path: Path, cut: str, op: str,
     raise AssertionError("the operation never completed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", ["none", "half", "all_but_one"])
 def test_write_killed_at_every_io_call(tmp_path, cut):
     def check(got, completed):
@@ -239,6 +241,7 @@ def test_write_killed_at_every_io_call(tmp_path, cut):
     assert points >= 9      # tombstones (2 runs), payloads (4 runs), headers (4 runs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", ["none", "half"])
 def test_erase_killed_at_every_io_call(tmp_path, cut):
     def check(got, completed):
@@ -253,6 +256,7 @@ def test_erase_killed_at_every_io_call(tmp_path, cut):
     assert _run_crash_points(tmp_path / "pool", cut, "erase", check) >= 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", ["none", "half"])
 def test_hits_update_killed_at_every_io_call(tmp_path, cut):
     def check(got, completed):
@@ -290,6 +294,7 @@ def fsize_child(path: str, limit: str, o_direct: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("o_direct", [False, True])
 @pytest.mark.parametrize("limit_at", [3 * 4096, 3 * 4096 + 100])
 def test_file_size_limit_makes_write_raise_disk_full_and_keeps_records(tmp_path, o_direct,

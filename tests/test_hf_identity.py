@@ -123,6 +123,7 @@ def test_a_forward_under_another_mask_than_the_sequence_is_refused_before_writin
     assert cached_blocks(cache) == 0
 
 
+@pytest.mark.slow                       # generation through a model, several ways
 def test_left_padded_row_is_keyed_by_its_mask(model, cache):
     """A left-padded row's KV is reused by the same row under the same mask, never by the same
     ids under an all-ones mask; each answer is DynamicCache's under its own mask."""
@@ -149,6 +150,7 @@ def test_left_padded_row_is_keyed_by_its_mask(model, cache):
     past.close()
 
 
+@pytest.mark.slow                       # generation through a model, several ways
 def test_next_turn_of_a_padded_conversation_reuses_it(model, cache):
     ids, mask = left_padded(70, 5, 3)
     past = TieredCache(cache, ids, model=model, attention_mask=mask)
@@ -164,6 +166,7 @@ def test_next_turn_of_a_padded_conversation_reuses_it(model, cache):
     past.close()
 
 
+@pytest.mark.slow                       # generation through a model, several ways
 def test_pad_ids_inside_a_prompt_all_ones_mask_then_none(model, cache):
     """The issue's case: the tokenizer's all-ones mask in one request, no mask in the next
     (generate() then infers zeros at the pad ids). The second must not reuse the first."""

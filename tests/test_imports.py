@@ -277,6 +277,7 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch):
                    ("tiered_cache.config", False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["tiered_cache.core", "tiered_cache.core.index"])
 def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
     code = (f"import sys; import {what}; "

@@ -338,6 +338,7 @@ def test_stress_writers_waiters_and_aborts_on_threads_never_serve_wrong_kv():
         assert np.all(np.asarray([t["pinned_blocks"] for t in s["tiers"].values()]) == 0)
 
 
+@pytest.mark.slow
 def test_benchmark_quick(tmp_path):
     """benchmarks/inflight.py --quick runs, prints its tables and meets its bound (counts, not
     times)."""

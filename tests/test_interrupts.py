@@ -68,7 +68,6 @@ import tiered_cache
 from tests.helpers import (
     check_invariants,
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     pattern_kv,
     tokens,
@@ -85,6 +84,8 @@ from tests.oracles import (
 from tiered_cache.core import atomic
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.errors import CacheBrokenError
+
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
 PKG_DIRS = tuple(os.path.dirname(m.__file__) + os.sep
                  for m in (tiered_cache, tiered_cache.migrator, tiered_cache.kernels))

@@ -15,6 +15,8 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 
 def _cuda_backend_available() -> bool:
     try:

@@ -233,6 +233,7 @@ def test_copies_below_the_cache_size_do_not_stream(monkeypatch):
     assert seen == ["words", "words"]
 
 
+@pytest.mark.slow                       # copies more than the real threshold, interpreted
 def test_a_copy_larger_than_the_cache_streams_with_the_real_threshold(monkeypatch):
     """24 MiB out and back at the real threshold (x86-64: streaming stores), byte for byte."""
     host_copy, seen = _spy_paths(monkeypatch)

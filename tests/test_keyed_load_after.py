@@ -178,6 +178,7 @@ def _attempt(k: int | None):
     return idx, seq, promote, inj, n, interrupted, keys
 
 
+@pytest.mark.slow
 def test_an_interrupt_at_any_line_leaves_the_index_whole():
     idx, seq, promote, inj, n, _, _ = _attempt(None)
     total = inj.n

@@ -18,6 +18,9 @@ CONFIG = str(ROOT / "configs" / "default.yaml")
 CONFIG_70B = ROOT / "configs" / "llama-70b-h200.yaml"
 
 
+pytestmark = pytest.mark.slow     # runs the main job (a model, three modes)
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("mainjob")

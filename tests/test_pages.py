@@ -213,13 +213,6 @@ def test_config_from_yaml_file(tmp_path):
 
 
 # ----------------------------------------------------------------------------- remote
-@pytest.fixture(scope="module")
-def server():
-    rs.require()
-    with rs.RedisServer() as srv:
-        yield srv
-
-
 def remote_store(url: str, disk: Path | None = None, **pages) -> PageStore:
     # NOTE: a generous deadline: a loaded test machine takes more than the 5 ms default to
     # connect the first time, and a lookup cut short is a (correct) miss the tests would not see
@@ -231,8 +224,9 @@ def remote_store(url: str, disk: Path | None = None, **pages) -> PageStore:
     return PageStore.from_config(cfg, FMT, disk_dir="tp0")
 
 
-def test_remote_round_trip_and_leading_exists(server):
-    st = remote_store(server.url, tenant_salt=os.urandom(8).hex())
+@pytest.mark.slow
+def test_remote_round_trip_and_leading_exists(redis_server):
+    st = remote_store(redis_server.url, tenant_salt=os.urandom(8).hex())
     names = ["r0", "r1", "r2"]
     assert st.put(names, [pieces(page(n)) for n in names], PART) == [True] * 3
     assert st.exists(["r0", "r1", "zz", "r2"], PART) == 2
@@ -242,9 +236,10 @@ def test_remote_round_trip_and_leading_exists(server):
     st.close()
 
 
-def test_every_ranks_part_must_be_there(server):
+@pytest.mark.slow
+def test_every_ranks_part_must_be_there(redis_server):
     salt = os.urandom(8).hex()
-    st = remote_store(server.url, tenant_salt=salt)
+    st = remote_store(redis_server.url, tenant_salt=salt)
     p0, p1 = part_name(0, 2, False), part_name(1, 2, False)
     st.put(["a", "b", "c"], [page("a"), page("b"), page("c")], p0)
     st.put(["a", "b"], [page("a1"), page("b1")], p1)        # rank 1 died before its "c"
@@ -253,11 +248,12 @@ def test_every_ranks_part_must_be_there(server):
     st.close()
 
 
-def test_corrupt_remote_value_is_deleted_and_rewritten(server):
-    st = remote_store(server.url, tenant_salt=os.urandom(8).hex())
+@pytest.mark.slow
+def test_corrupt_remote_value_is_deleted_and_rewritten(redis_server):
+    st = remote_store(redis_server.url, tenant_salt=os.urandom(8).hex())
     st.put(["v"], [page("v")], PART)
     skey = st.remote.store.server_key(st.root(PART), identity.page_key(st.root(PART), b"v"))
-    raw = server.raw()
+    raw = redis_server.raw()
     value = bytearray(raw.get(skey))
     value[-5] ^= 0xFF                                       # the server returns damaged bytes
     raw.set(skey, bytes(value))
@@ -270,8 +266,9 @@ def test_corrupt_remote_value_is_deleted_and_rewritten(server):
     st.close()
 
 
-def test_value_of_another_engine_key_is_a_miss(server):
-    st = remote_store(server.url, tenant_salt=os.urandom(8).hex())
+@pytest.mark.slow
+def test_value_of_another_engine_key_is_a_miss(redis_server):
+    st = remote_store(redis_server.url, tenant_salt=os.urandom(8).hex())
     root = st.root(PART)
     # a verified record of engine key "w" stored under the page key of "v" (a collision)
     body = page("w").tobytes()
@@ -285,11 +282,12 @@ def test_value_of_another_engine_key_is_a_miss(server):
     st.close()
 
 
-def test_remote_hits_fill_the_disk(server, tmp_path):
+@pytest.mark.slow
+def test_remote_hits_fill_the_disk(redis_server, tmp_path):
     salt = os.urandom(8).hex()
-    writer = remote_store(server.url, tenant_salt=salt)
+    writer = remote_store(redis_server.url, tenant_salt=salt)
     writer.put(["f"], [page("f")], PART)
-    reader = remote_store(server.url, tmp_path / "disk", tenant_salt=salt)
+    reader = remote_store(redis_server.url, tmp_path / "disk", tenant_salt=salt)
     out = np.zeros(PB, np.uint8)
     assert reader.get(["f"], [out], PART) == [True]
     assert reader.disk.contains(reader.root(PART), [b"f"]) == [True]
@@ -306,13 +304,14 @@ def test_dead_server_is_a_miss_not_an_error(tmp_path):
     st.close()
 
 
-def test_a_page_put_by_one_process_is_found_by_another(server):
+@pytest.mark.slow
+def test_a_page_put_by_one_process_is_found_by_another(redis_server):
     salt = os.urandom(8).hex()
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
         from tests.test_pages import page, remote_store, PART
-        st = remote_store({server.url!r}, tenant_salt={salt!r})
+        st = remote_store({redis_server.url!r}, tenant_salt={salt!r})
         print(st.put(["x0", "x1"], [page("x0"), page("x1")], PART))
         st.close()
     """)
@@ -320,7 +319,7 @@ def test_a_page_put_by_one_process_is_found_by_another(server):
                          timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[True, True]"
-    st = remote_store(server.url, tenant_salt=salt)
+    st = remote_store(redis_server.url, tenant_salt=salt)
     outs = [np.zeros(PB, np.uint8), np.zeros(PB, np.uint8)]
     assert st.exists(["x0", "x1"], PART) == 2
     assert st.get(["x0", "x1"], outs, PART) == [True, True]

@@ -88,6 +88,7 @@ class Freq(AdaptivePolicy):
     pinned = "freq"
 
 
+@pytest.mark.slow                       # a long trace
 def test_stays_with_lru_where_recency_wins(monkeypatch):
     reqs = moving_hot_sets()
     lru, _, _ = run(reqs, "lru", 32)
@@ -228,7 +229,7 @@ def churn(n=5000, seed=7):
     return trace(reqs)
 
 
-@pytest.mark.parametrize("host", [0, 96])
+@pytest.mark.parametrize("host", [0, pytest.param(96, marks=pytest.mark.slow)])
 def test_state_stays_bounded_under_churn(host):
     cap = 48
     _, _, cache = run(churn(), "adaptive", cap, host)
@@ -250,6 +251,7 @@ def test_state_stays_bounded_under_churn(host):
                 assert set(m.kids) <= set(m.res)
 
 
+@pytest.mark.slow                       # a long trace through every mini cache
 def test_mini_caches_stay_prefix_closed():
     """A mini cache never holds a key without its (sampled) parent: leaves first, as the real
     cache, on the projected tree. Every key is sampled at this size (R = 1)."""
@@ -440,8 +442,10 @@ def _duel_state(d) -> tuple:
 
 
 @pytest.mark.parametrize("workload,gpu,host", [
-    ("churn", 40, 0), ("churn", 120, 0), ("churn", 300, 0), ("scan", 64, 0),
-    ("chat", 100, 0), ("agent", 300, 0), ("rag", 120, 0), ("churn", 48, 96), ("chat", 60, 120),
+    pytest.param("churn", 40, 0, marks=pytest.mark.slow), ("churn", 120, 0), ("churn", 300, 0),
+    ("scan", 64, 0), pytest.param("chat", 100, 0, marks=pytest.mark.slow), ("agent", 300, 0),
+    pytest.param("rag", 120, 0, marks=pytest.mark.slow), ("churn", 48, 96),
+    pytest.param("chat", 60, 120, marks=pytest.mark.slow),      # (slow: the long four)
 ])
 def test_fast_paths_do_what_the_plain_paths_do(workload, gpu, host, monkeypatch):
     """The same requests through a cache on the default policy and one on `Plain`: the same

@@ -18,28 +18,17 @@ import pytest
 import tests.redis_servers as rs
 from tests.helpers import (
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     write_pattern_all,
 )
 from tiered_cache.core.invariants import check_invariants
 from tiered_cache.errors import ConfigError, TransferError
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 rs.require()
 REPO = Path(__file__).resolve().parent.parent
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    with rs.RedisServer() as srv:
-        yield srv
-
-
-@pytest.fixture
-def flushed(server):
-    server.raw().flushall()
-    return server
 
 
 def remote_cache(url: str, *, gpu=8, host=8, cluster=False, write="on_host", name="test-model",
@@ -72,7 +61,7 @@ def serve(cache, tokens, salt=None) -> dict[str, int]:
 
 
 def publish(cache, prompts, salt=None) -> None:
-    """Serve each prompt and push it out of memory, so its blocks are put to the server."""
+    """Serve each prompt and push it out of memory, so its blocks are put to the redis_server."""
     for p in prompts:
         serve(cache, p, salt)
     cache.migrator.settle()
@@ -80,13 +69,13 @@ def publish(cache, prompts, salt=None) -> None:
         store.store.flush(10.0)
 
 
-def test_a_second_cache_loads_what_the_first_put(flushed):
-    a = remote_cache(flushed.url)
+def test_a_second_cache_loads_what_the_first_put(redis_flushed):
+    a = remote_cache(redis_flushed.url)
     ps = [prompt(i) for i in range(12)]
     publish(a, ps)
     put = a.stats()["tiers"]["remote"]["put_blocks"]
     assert put > 0
-    b = remote_cache(flushed.url)                 # an empty cache on the same server
+    b = remote_cache(redis_flushed.url)                 # an empty cache on the same server
     got = sum(serve(b, p).get("remote", 0) for p in ps)   # every load is checked
     assert got > 0
     s = b.stats()
@@ -97,15 +86,15 @@ def test_a_second_cache_loads_what_the_first_put(flushed):
     b.shutdown()
 
 
-def test_invalidate_deletes_the_prefix_from_the_store(flushed):
-    a = remote_cache(flushed.url)
+def test_invalidate_deletes_the_prefix_from_the_store(redis_flushed):
+    a = remote_cache(redis_flushed.url)
     ps = [prompt(i) for i in range(12)]
     publish(a, ps)
-    before = flushed.raw().dbsize()
+    before = redis_flushed.raw().dbsize()
     assert before > 0
     a.invalidate(ps[0][:2 * BS])                   # the first two blocks of prompt 0
-    assert flushed.raw().dbsize() == before - 2
-    b = remote_cache(flushed.url)
+    assert redis_flushed.raw().dbsize() == before - 2
+    b = remote_cache(redis_flushed.url)
     # Prompt 0 is gone for everyone (its third block is unreachable below the deleted two);
     # the others are still shared.
     assert serve(b, ps[0]).get("remote", 0) == 0
@@ -114,15 +103,15 @@ def test_invalidate_deletes_the_prefix_from_the_store(flushed):
     b.shutdown()
 
 
-def test_write_off_only_reads(flushed):
-    ro = remote_cache(flushed.url, write="off")
+def test_write_off_only_reads(redis_flushed):
+    ro = remote_cache(redis_flushed.url, write="off")
     ps = [prompt(i) for i in range(12)]
     publish(ro, ps)
     assert ro.stats()["tiers"]["remote"]["put_blocks"] == 0
-    assert flushed.raw().dbsize() == 0               # nothing reached the server
-    a = remote_cache(flushed.url)
+    assert redis_flushed.raw().dbsize() == 0               # nothing reached the server
+    a = remote_cache(redis_flushed.url)
     publish(a, ps)
-    assert flushed.raw().dbsize() > 0
+    assert redis_flushed.raw().dbsize() > 0
     got = sum(serve(ro, p).get("remote", 0) for p in ps[:2])    # ... but it reads
     assert got > 0
     a.shutdown()
@@ -140,50 +129,50 @@ cache.shutdown()
 """
 
 
-def test_prefixes_are_shared_across_processes(flushed):
+def test_prefixes_are_shared_across_processes(redis_flushed):
     out = subprocess.run([sys.executable, "-c", _WRITER.format(repo=str(REPO),
-                                                              url=flushed.url)],
+                                                              url=redis_flushed.url)],
                          capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert int(out.stdout.split()[-1]) > 0
-    reader = remote_cache(flushed.url)
+    reader = remote_cache(redis_flushed.url)
     got = sum(serve(reader, prompt(i)).get("remote", 0) for i in range(10))
     assert got > 0
     reader.shutdown()
 
 
-def test_tenants_never_see_each_others_blocks(flushed):
-    a = remote_cache(flushed.url)
+def test_tenants_never_see_each_others_blocks(redis_flushed):
+    a = remote_cache(redis_flushed.url)
     ps = [prompt(i) for i in range(10)]
     publish(a, ps, salt="tenant-a")
-    b = remote_cache(flushed.url)
+    b = remote_cache(redis_flushed.url)
     assert all(serve(b, p, salt="tenant-b").get("remote", 0) == 0 for p in ps)
     assert sum(serve(b, p, salt="tenant-a").get("remote", 0) for p in ps) > 0
     a.shutdown()
     b.shutdown()
 
 
-def test_another_model_never_reads_the_values(flushed):
-    a = remote_cache(flushed.url)
+def test_another_model_never_reads_the_values(redis_flushed):
+    a = remote_cache(redis_flushed.url)
     ps = [prompt(i) for i in range(10)]
     publish(a, ps)
-    other = remote_cache(flushed.url, name="another-model")
+    other = remote_cache(redis_flushed.url, name="another-model")
     assert all(serve(other, p).get("remote", 0) == 0 for p in ps)
     a.shutdown()
     other.shutdown()
 
 
-def test_a_value_evicted_or_damaged_after_the_lookup_is_a_miss(flushed):
-    a = remote_cache(flushed.url)
+def test_a_value_evicted_or_damaged_after_the_lookup_is_a_miss(redis_flushed):
+    a = remote_cache(redis_flushed.url)
     ps = [prompt(i) for i in range(10)]
     publish(a, ps)
-    raw = flushed.raw()
+    raw = redis_flushed.raw()
     keys = raw.keys("tc:*")
     assert keys
     for i, k in enumerate(keys):                 # damage every value in place
         v = raw.get(k)
         raw.set(k, v[:-7] + bytes(7) if i % 2 else v[: len(v) // 2])
-    b = remote_cache(flushed.url)
+    b = remote_cache(redis_flushed.url)
     results = [serve(b, p) for p in ps]           # found by exists(), then fail verification
     assert sum(r.get("failed", 0) for r in results) > 0
     assert b.stats()["tiers"]["remote"]["load_failures"] > 0
@@ -193,7 +182,7 @@ def test_a_value_evicted_or_damaged_after_the_lookup_is_a_miss(flushed):
     b.shutdown()
 
 
-def test_server_side_eviction_only_costs_misses(flushed):
+def test_server_side_eviction_only_costs_misses(redis_flushed):
     with rs.RedisServer(extra=("--maxmemory", "2mb", "--maxmemory-policy",
                                "allkeys-lru")) as small:
         a = remote_cache(small.url)
@@ -206,7 +195,7 @@ def test_server_side_eviction_only_costs_misses(flushed):
         b.shutdown()
 
 
-def test_a_dead_server_costs_only_the_deadline_and_recovers(flushed):
+def test_a_dead_server_costs_only_the_deadline_and_recovers(redis_flushed):
     with rs.RedisServer() as srv:
         a = remote_cache(srv.url)
         ps = [prompt(i) for i in range(10)]
@@ -226,12 +215,12 @@ def test_a_dead_server_costs_only_the_deadline_and_recovers(flushed):
         a.shutdown()
 
 
-def test_a_slow_server_is_skipped_when_recomputing_is_cheaper(flushed):
+def test_a_slow_server_is_skipped_when_recomputing_is_cheaper(redis_flushed):
     """70B-sized cost model, tiny blocks: recomputing a few tokens costs microseconds, a lookup
     through a 50 ms link far more: the cache never waits for the link."""
-    with rs.LatencyProxy(flushed.port, delay_s=0.05) as proxy:
-        url = f"redis://:{flushed.password}@127.0.0.1:{proxy.port}/0"
-        a = remote_cache(flushed.url)
+    with rs.LatencyProxy(redis_flushed.port, delay_s=0.05) as proxy:
+        url = f"redis://:{redis_flushed.password}@127.0.0.1:{proxy.port}/0"
+        a = remote_cache(redis_flushed.url)
         publish(a, [prompt(i) for i in range(10)])
         b = remote_cache(url, num_params=70.6e9)
         got = [serve(b, prompt(i)).get("remote", 0) for i in range(10)]
@@ -254,11 +243,11 @@ def test_cluster_mode_spreads_and_shares():
         b.shutdown()
 
 
-def test_config_needs_a_host_tier_and_the_migrator(server):
+def test_config_needs_a_host_tier_and_the_migrator(redis_server):
     with pytest.raises(ConfigError, match="needs a host tier"):
         make_cache(host_blocks=0, migrator={"enabled": True},
-                   extra={"tiers": {"remote": {"url": server.url}}})
+                   extra={"tiers": {"remote": {"url": redis_server.url}}})
     with pytest.raises(ConfigError, match="needs the migrator"):
-        make_cache(extra={"tiers": {"remote": {"url": server.url}}})
+        make_cache(extra={"tiers": {"remote": {"url": redis_server.url}}})
     with pytest.raises(ConfigError, match="tiers.remote.url"):
         make_cache(extra={"tiers": {"remote": {"url": "http://x"}}})

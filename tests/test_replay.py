@@ -191,6 +191,7 @@ def test_sweep_api_single_tier_only():
     assert all(r["host_blocks"] == 0 for r in res["rows"])
 
 
+@pytest.mark.slow
 def test_benchmark_quick_runs(tmp_path):
     import subprocess
     import sys
@@ -325,6 +326,7 @@ def _cli_without(modules, *argv):
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_sweep_without_the_tools_extra_names_it_or_does_without(tiny_path, tmp_path):
     base = ["replay", tiny_path, "--block-size", 2, "--sweep", "--capacities", "3,8",
             "--policies", "lru,belady", "--out", tmp_path / "sweep"]

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,12 +31,6 @@ ROOT_A, ROOT_B = b"A" * 16, b"B" * 16
 
 
 @pytest.fixture(scope="module")
-def server():
-    with rs.RedisServer() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
 def cluster():
     with rs.RedisClusterServers(3) as cl:
         yield cl
@@ -74,8 +68,9 @@ def counters(store: RedisStore) -> dict[str, int]:
 # --------------------------------------------------------------------------- round trips
 
 
-def test_round_trip(server, ns, open_store):
-    store = open_store(server.url, ns)
+@pytest.mark.slow
+def test_round_trip(redis_server, ns, open_store):
+    store = open_store(redis_server.url, ns)
     assert isinstance(store, KeyedStore)
     items = blocks(ns, ROOT_A, 8)
     assert store.put(ROOT_A, items) == 8
@@ -102,20 +97,22 @@ def test_round_trip(server, ns, open_store):
     assert st["timeouts"] == st["errors"] == 0 and store.available
 
 
-def test_server_key_schema(server, ns, open_store):
-    store = open_store(server.url, ns, prefix="tctest")
+@pytest.mark.slow
+def test_server_key_schema(redis_server, ns, open_store):
+    store = open_store(redis_server.url, ns, prefix="tctest")
     key, record = rs.sample_record(ns, ROOT_A, 0)
     store.put(ROOT_A, [(key, record)])
     expect = f"tctest:v{records.VERSION}:{ns.hex()}:{ROOT_A.hex()}:{key.hex()}".encode()
     assert store.server_key(ROOT_A, key) == expect
-    with server.raw() as raw:
+    with redis_server.raw() as raw:
         assert raw.get(expect) == record               # one key per block, the whole record
         assert raw.keys(f"tctest:v{records.VERSION}:{ns.hex()}:*".encode()) == [expect]
 
 
-def test_batches_are_bounded(server, ns, open_store):
+@pytest.mark.slow
+def test_batches_are_bounded(redis_server, ns, open_store):
     # 10 records of ~4.2 KB with 9 KB batches: several pipelines each way, same answers.
-    store = open_store(server.url, ns, batch_bytes=9000, batch_keys=3)
+    store = open_store(redis_server.url, ns, batch_bytes=9000, batch_keys=3)
     items = blocks(ns, ROOT_A, 10)
     assert store.put(ROOT_A, items) == 10
     keys = [k for k, _ in items]
@@ -123,14 +120,15 @@ def test_batches_are_bounded(server, ns, open_store):
     assert store.get(ROOT_A, keys) == [r for _, r in items]
     assert store.get(ROOT_A, keys, deadline_s=5.0) == [r for _, r in items]
     # a store that has seen no record yet sizes its first batches blind: same answers
-    fresh = open_store(server.url, ns, batch_bytes=9000)
+    fresh = open_store(redis_server.url, ns, batch_bytes=9000)
     absent = [bytes([i]) * 16 for i in range(5)]
     assert fresh.get(ROOT_A, absent + keys) == [None] * 5 + [r for _, r in items]
 
 
-def test_put_async(server, ns, open_store):
+@pytest.mark.slow
+def test_put_async(redis_server, ns, open_store):
     cost = TierCost("remote", latency_s=1e-3, bandwidth_bps=1e9)
-    store = open_store(server.url, ns, cost=cost)
+    store = open_store(redis_server.url, ns, cost=cost)
     items = blocks(ns, ROOT_A, 20)
     assert store.put_async(ROOT_A, items) == 20
     assert store.flush(30)
@@ -140,17 +138,19 @@ def test_put_async(server, ns, open_store):
     assert cost.latency_samples == 1 and cost.bandwidth_samples == 1
 
 
-def test_put_async_full_queue_drops_and_never_blocks(server, ns, open_store):
+@pytest.mark.slow
+def test_put_async_full_queue_drops_and_never_blocks(redis_server, ns, open_store):
     items = blocks(ns, ROOT_A, 5)
     size = len(items[0][1])
-    store = open_store(server.url, ns, put_queue_bytes=2 * size + size // 2)
+    store = open_store(redis_server.url, ns, put_queue_bytes=2 * size + size // 2)
     assert store.put_async(ROOT_A, items) == 2
     assert store.stats()["dropped_puts"] == 3
     assert store.flush(30)
 
 
-def test_bad_input_is_refused_before_sending(server, ns, open_store):
-    store = open_store(server.url, ns)
+@pytest.mark.slow
+def test_bad_input_is_refused_before_sending(redis_server, ns, open_store):
+    store = open_store(redis_server.url, ns)
     (k0, r0), (k1, r1) = blocks(ns, ROOT_A, 2)
     with pytest.raises(ValueError, match="offered under"):
         store.put(ROOT_A, [(k1, r0)])                          # a record under another key
@@ -202,13 +202,14 @@ print(json.dumps({"stored": stored, "found": found, "same": same}))
 """
 
 
-def test_two_processes_share_one_server(server, ns, open_store):
-    store = open_store(server.url, ns)
+@pytest.mark.slow
+def test_two_processes_share_one_server(redis_server, ns, open_store):
+    store = open_store(redis_server.url, ns)
     n = 6
     mine = [rs.sample_record(ns, ROOT_A, i, seed=1) for i in range(n)]
     assert store.put(ROOT_A, mine) == n
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-c", CHILD, server.url, ns.hex(), ROOT_A.hex(),
+    proc = subprocess.run([sys.executable, "-c", CHILD, redis_server.url, ns.hex(), ROOT_A.hex(),
                            str(n)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -220,8 +221,9 @@ def test_two_processes_share_one_server(server, ns, open_store):
     assert store.get(ROOT_A, [k for k, _ in theirs]) == [r for _, r in theirs]
 
 
-def test_tenants_never_see_each_other(server, ns, open_store):
-    store = open_store(server.url, ns)
+@pytest.mark.slow
+def test_tenants_never_see_each_other(redis_server, ns, open_store):
+    store = open_store(redis_server.url, ns)
     a = blocks(ns, ROOT_A, 4)
     assert store.put(ROOT_A, a) == 4
     keys = [k for k, _ in a]
@@ -229,7 +231,7 @@ def test_tenants_never_see_each_other(server, ns, open_store):
     assert store.exists(ROOT_B, keys, 5.0) == [False] * 4
     assert store.get(ROOT_B, keys) == [None] * 4
     # a record of tenant A written (behind the store's back) under tenant B's key: a miss
-    with server.raw() as raw:
+    with redis_server.raw() as raw:
         raw.set(store.server_key(ROOT_B, keys[0]), a[0][1])
     assert store.exists(ROOT_B, keys[:1], 5.0) == [True]           # exists is only a hint
     assert store.get(ROOT_B, keys[:1]) == [None]
@@ -240,6 +242,7 @@ def test_tenants_never_see_each_other(server, ns, open_store):
 # --------------------------------------------------------------------------- cluster
 
 
+@pytest.mark.slow
 def test_cluster_round_trip_spreads_over_masters(cluster, ns, open_store):
     store = open_store(cluster.url, ns, cluster=True)
     items = blocks(ns, ROOT_A, 64)
@@ -261,6 +264,7 @@ def test_cluster_round_trip_spreads_over_masters(cluster, ns, open_store):
 # --------------------------------------------------------------------------- faults
 
 
+@pytest.mark.slow
 def test_server_killed_mid_run_then_restarted(ns, open_store):
     with rs.RedisServer() as srv:
         # NOTE: a backoff far longer than the calls below, so they find the breaker open
@@ -317,6 +321,7 @@ def test_unreachable_server(ns, open_store):
     assert st["errors"] == 1 and st["skipped"] == 2 and not st["available"]
 
 
+@pytest.mark.slow
 def test_server_side_eviction_gives_misses_never_corruption(ns, open_store):
     extra = ("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru")
     with rs.RedisServer(extra=extra) as srv:
@@ -335,8 +340,9 @@ def test_server_side_eviction_gives_misses_never_corruption(ns, open_store):
             assert int(raw.info("stats")["evicted_keys"]) > 0
 
 
-def test_corrupt_values_are_counted_misses(server, ns, open_store):
-    store = open_store(server.url, ns)
+@pytest.mark.slow
+def test_corrupt_values_are_counted_misses(redis_server, ns, open_store):
+    store = open_store(redis_server.url, ns)
     items = blocks(ns, ROOT_A, 8)
     keys = [k for k, _ in items]
     store.put(ROOT_A, items)
@@ -356,7 +362,7 @@ def test_corrupt_values_are_counted_misses(server, ns, open_store):
         5: bytes(flipped),                                          # one payload bit flipped
         6: bytes(header_flip),                                      # one header bit flipped
     }
-    with server.raw() as raw:
+    with redis_server.raw() as raw:
         for i, value in bad.items():
             raw.set(store.server_key(ROOT_A, keys[i]), value)
     got = store.get(ROOT_A, keys)
@@ -369,12 +375,13 @@ def test_corrupt_values_are_counted_misses(server, ns, open_store):
     assert store.get(ROOT_A, keys) == [r for _, r in items]
 
 
-def test_deadline_through_a_slow_link(server, ns, open_store):
-    direct = open_store(server.url, ns)
+@pytest.mark.slow
+def test_deadline_through_a_slow_link(redis_server, ns, open_store):
+    direct = open_store(redis_server.url, ns)
     items = blocks(ns, ROOT_A, 16)
     keys = [k for k, _ in items]
     assert direct.put(ROOT_A, items) == 16
-    with rs.LatencyProxy(server.port, delay_s=0.2) as proxy:      # 400 ms per round trip
+    with rs.LatencyProxy(redis_server.port, delay_s=0.2) as proxy:      # 400 ms per round trip
         slow = open_store(proxy.url(), ns, verify=False, failure_threshold=10)
         # every key is there, but not within 50 ms: the answer is "not there"
         assert slow.exists(ROOT_A, keys, deadline_s=0.05) == [False] * 16
@@ -387,38 +394,41 @@ def test_deadline_through_a_slow_link(server, ns, open_store):
         assert slow.available
 
 
-def test_wrong_password_is_a_typed_error_without_the_password(server, ns):
-    bad = f"redis://:not-the-password@127.0.0.1:{server.port}/0"
+@pytest.mark.slow
+def test_wrong_password_is_a_typed_error_without_the_password(redis_server, ns):
+    bad = f"redis://:not-the-password@127.0.0.1:{redis_server.port}/0"
     with pytest.raises(StoreAuthError) as err:
         RedisStore(bad, namespace=ns)
     msg = str(err.value)
     assert "not-the-password" not in msg and rs.PASSWORD not in msg
-    assert msg.startswith(f"redis://:***@127.0.0.1:{server.port}/0: ")
+    assert msg.startswith(f"redis://:***@127.0.0.1:{redis_server.port}/0: ")
     with pytest.raises(StoreAuthError):
-        RedisStore(server.url_no_auth, namespace=ns)                # no password at all
+        RedisStore(redis_server.url_no_auth, namespace=ns)                # no password at all
     with pytest.raises(StoreAuthError):
-        RedisStore(server.url_no_auth, namespace=ns, password="nope")
+        RedisStore(redis_server.url_no_auth, namespace=ns, password="nope")
 
 
-def test_acl_users(server, ns, open_store):
-    with server.raw() as raw:
+@pytest.mark.slow
+def test_acl_users(redis_server, ns, open_store):
+    with redis_server.raw() as raw:
         raw.execute_command("ACL", "SETUSER", "tc-rw", "on", ">rw-pw", "~tc:*", "+@all")
         raw.execute_command("ACL", "SETUSER", "tc-ro", "on", ">ro-pw", "~tc:*", "+ping",
                             "+exists", "+get")
     items = blocks(ns, ROOT_A, 3)
     keys = [k for k, _ in items]
-    rw = open_store(f"redis://tc-rw:rw-pw@127.0.0.1:{server.port}/0", ns)
+    rw = open_store(f"redis://tc-rw:rw-pw@127.0.0.1:{redis_server.port}/0", ns)
     assert rw.put(ROOT_A, items) == 3
-    ro = open_store(server.url_no_auth, ns, username="tc-ro", password="ro-pw")
+    ro = open_store(redis_server.url_no_auth, ns, username="tc-ro", password="ro-pw")
     assert ro.get(ROOT_A, keys) == [r for _, r in items]
     assert ro.put(ROOT_A, items) == 0                       # NOPERM: refused, counted
     st = ro.stats()
     assert st["errors"] == 3 and st["put_failed"] == 3 and ro.available
     with pytest.raises(StoreAuthError) as err:
-        RedisStore(f"redis://tc-rw:wrong@127.0.0.1:{server.port}/0", namespace=ns)
+        RedisStore(f"redis://tc-rw:wrong@127.0.0.1:{redis_server.port}/0", namespace=ns)
     assert "tc-rw:***@" in str(err.value)
 
 
+@pytest.mark.slow
 def test_tls(tmp_path, ns, open_store):
     tls = rs.make_tls_files(tmp_path / "tls")
     with rs.RedisServer(tls=tls) as srv:
@@ -437,6 +447,7 @@ def test_tls(tmp_path, ns, open_store):
 # --------------------------------------------------------------------------- benchmark smoke
 
 
+@pytest.mark.slow
 def test_benchmark_quick(tmp_path):
     out = tmp_path / "remote.json"
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -21,7 +21,6 @@ from prometheus_client import CollectorRegistry
 from tests import tier_kinds
 from tests.helpers import (
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     make_config,
     write_pattern_all,

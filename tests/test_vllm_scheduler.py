@@ -211,6 +211,7 @@ def test_a_daemon_gone_is_a_miss_at_once(tmp_path):
     link.close()
 
 
+@pytest.mark.slow
 def test_a_stalled_daemon_costs_the_lookup_its_deadline_then_a_miss(tmp_path):
     """A daemon that stops answering (SIGSTOP) mid-run: the lookup gives up at its deadline
     (the connection is then dropped and re-made in the background) and the request is a miss;

@@ -24,6 +24,8 @@ from tiered_cache.integrations.vllm.plans import WorkerReport
 from tiered_cache.integrations.vllm.scheduler import Scheduled, SchedulerSide, StepInput
 from tiered_cache.integrations.vllm.settings import ConnectorSettings
 
+pytestmark = pytest.mark.slow     # a process per rank (tests/vllm_rank.py)
+
 TP = 2
 RANK = str(Path(__file__).parent / "vllm_rank.py")
 

@@ -211,6 +211,7 @@ def test_cli_flag_errors_are_one_line_exit_2(capsys, tmp_path):
                           "write ") and len(err.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_cli_piped_into_head_ends_quietly():
     """`python -m tiered_cache.tools.workloads chat | head -n 1`: head exits after one line;
     the generator's next write fails, and it stops without a BrokenPipeError traceback."""
