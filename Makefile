@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
 
-.PHONY: run run-vllm test test-fast test-vllm vllm-venv test-sglang bench lint install \
+.PHONY: run run-vllm test test-fast test-vllm vllm-venv test-sglang bench lint typecheck install \
 	wheel-check clean
 
 $(STAMP): pyproject.toml
@@ -97,6 +97,10 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# mypy over the control plane and the public API (the files are listed in pyproject.toml).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # A wheel built from the repo, installed in a clean venv, must import the mapped subpackages,
 # and its tools must run without the `tools` extra (no matplotlib, no tqdm) where they can. It

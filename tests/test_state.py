@@ -81,6 +81,19 @@ def test_the_constructor_sets_every_declared_field():
         getattr(idx, f.name)            # AttributeError if the constructor left it unset
 
 
+def test_the_block_table_declares_each_column_it_makes():
+    """BlockTable's columns come from `_FIELDS` / `_PER_TIER`; its class annotations name
+    them for the type checker: the two lists agree, and each column is what is made."""
+    from tiered_cache.core.blocks import BlockTable
+
+    made = [name for name, _, _ in (*BlockTable._FIELDS, *BlockTable._PER_TIER)]
+    declared = [n for n, a in BlockTable.__annotations__.items() if "array" in str(a)]
+    assert declared == made
+    t = BlockTable(num_tiers=2, block_size=BS)
+    for name, _, _ in BlockTable._PER_TIER:
+        assert isinstance(getattr(t, name), list) and len(getattr(t, name)) == 2
+
+
 @pytest.mark.parametrize("part", [None, *PARTS])
 def test_no_undeclared_attribute_can_be_set_on_the_owner_or_a_part(part):
     idx = make_index()
@@ -132,6 +145,7 @@ def test_parts_work_together_through_the_owner():
     check_invariants(idx)
 
 
+@pytest.mark.slow
 def test_importing_the_owner_loads_no_torch():
     code = "import sys, tiered_cache.core.index; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
