@@ -104,17 +104,21 @@ typecheck: $(STAMP)
 
 # A wheel built from the repo, installed in a clean venv, must import the mapped subpackages,
 # and its tools must run without the `tools` extra (no matplotlib, no tqdm) where they can. It
-# runs from an empty directory: a stray module in /tmp (an `nt.py`, say) would shadow the stdlib.
+# runs from an empty directory: a stray module in the current or temp directory (an `nt.py`,
+# say) would shadow the stdlib. Everything goes in a fresh `mktemp -d` directory, removed on
+# exit whether the check passes or fails (one shell: the trap covers every step).
 wheel-check: $(STAMP)
-	rm -rf build dist /tmp/tc-wheel-venv /tmp/tc-wheel-run
-	mkdir -p /tmp/tc-wheel-run
-	$(PY) -m pip wheel -q --no-deps -w dist . >/dev/null
-	python3 -m venv /tmp/tc-wheel-venv
-	/tmp/tc-wheel-venv/bin/pip install -q torch==2.13.0 dist/*.whl
-	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/python -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache, tiered_cache.tools.replay; print('wheel ok:', tiered_cache.__file__)"
-	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/tiered-cache --version
-	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/tiered-cache plan >/dev/null
-	cd /tmp/tc-wheel-run && /tmp/tc-wheel-venv/bin/tiered-cache replay --workload chat --requests 50 --gpu-blocks 200 >/dev/null
+	rm -rf build
+	set -e; tmp="$$(mktemp -d -t tc-wheel-check.XXXXXX)"; trap 'rm -rf "$$tmp"' EXIT; \
+	mkdir "$$tmp/run"; \
+	$(PY) -m pip wheel -q --no-deps -w "$$tmp/dist" . >/dev/null; \
+	python3 -m venv "$$tmp/venv"; \
+	"$$tmp/venv/bin/pip" install -q torch==2.13.0 "$$tmp"/dist/*.whl; \
+	cd "$$tmp/run"; \
+	"$$tmp/venv/bin/python" -c "import tiered_cache.kernels, tiered_cache.migrator, tiered_cache, tiered_cache.tools.replay; print('wheel ok:', tiered_cache.__file__)"; \
+	"$$tmp/venv/bin/tiered-cache" --version; \
+	"$$tmp/venv/bin/tiered-cache" plan >/dev/null; \
+	"$$tmp/venv/bin/tiered-cache" replay --workload chat --requests 50 --gpu-blocks 200 >/dev/null
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -15,6 +15,7 @@ only when the index tensors are on the CPU.
 
 from __future__ import annotations
 
+import logging
 import math
 import operator
 from collections.abc import Iterable
@@ -407,7 +408,21 @@ def _host_copy(backend: str, gpu_kv: torch.Tensor, host_kv: torch.Tensor):
         from . import host_copy
     except ImportError:                 # numba missing: the torch twin does the copy
         return None
+    except Exception:                   # NOTE: never every copy failing for the copier's sake
+        _log_copier_failure()
+        return None
     return host_copy
+
+
+_copier_failed = False
+
+
+def _log_copier_failure() -> None:
+    global _copier_failed
+    if not _copier_failed:
+        _copier_failed = True
+        logging.getLogger(__name__).exception("the CPU block copier (numba) failed to load; "
+                                              "copies use the torch twin")
 
 
 def copy_blocks_to_host(

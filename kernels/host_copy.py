@@ -27,7 +27,9 @@ import threading
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import prange
+
+from tiered_cache.jit import njit
 
 from . import streaming
 from .streaming import copy_vectors

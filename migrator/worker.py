@@ -192,7 +192,10 @@ class Migrator:
     def _work(self) -> None:
         stream = self._new_stream()
         if not self._cuda:
-            _warm_up_host_copy()
+            try:
+                _warm_up_host_copy()
+            except Exception:               # the copies fall back to the torch twin
+                self.health.record(log, "migrator warm-up of the CPU block copier")
         while True:
             job = self._jobs.get()
             if job.kind == "stop":

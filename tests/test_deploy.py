@@ -358,13 +358,35 @@ def serve_help(argv: list[str]) -> str:
     return proc.stdout
 
 
+DAEMON_DOC = DEPLOY.parent / "docs" / "daemon.md"
+
+
+def documented_venv() -> str:
+    """The virtual environment docs/daemon.md's systemd install steps create, checked to be
+    followed by the steps that put the package, the config and the unit where the unit looks."""
+    text = DAEMON_DOC.read_text(encoding="utf-8")
+    _, found, rest = text.partition("### Installing as a systemd service")
+    assert found, "docs/daemon.md has no systemd install section"
+    (block,) = re.findall(r"```bash\n(.*?)```", rest.split("\n## ", 1)[0], re.S)
+    (venv,) = re.findall(r"^python3 -m venv (\S+)$", block, re.M)
+    assert re.search(rf"^{re.escape(venv)}/bin/pip install torch==", block, re.M)
+    assert re.search(rf"^{re.escape(venv)}/bin/pip install '\.\[remote\]'", block, re.M)
+    assert "install -D -m 0644 deploy/daemon.yaml /etc/tiered-cache/daemon.yaml" in block
+    assert "install -m 0644 deploy/tiered-cache.service /etc/systemd/system/" in block
+    return venv
+
+
 @pytest.mark.slow
 def test_systemd_unit():
     u = unit()
     assert set(u.sections()) >= {"Unit", "Service", "Install"}
     svc = u["Service"]
     argv = shlex.split(svc["ExecStart"])
-    assert argv[0] == "/usr/local/bin/tiered-cache"
+    # the executable is the one the documented install steps create (nothing else installs
+    # a `tiered-cache` at a fixed path)
+    venv = documented_venv()
+    assert argv[0] == f"{venv}/bin/tiered-cache"
+    assert f"python3 -m venv {venv}" in UNIT.read_text()      # the unit's own install note
     assert argv[1:3] == ["serve", "--config"] and argv[3].startswith("/etc/tiered-cache/")
     assert "--config" in serve_help(argv[:2])      # the CLI really takes `serve --config`
     assert svc["User"] and svc["User"] not in ("root", "0")
@@ -410,6 +432,14 @@ def instructions(name: str) -> list[str]:
     return [args for instr, args in dockerfile() if instr == name]
 
 
+def pyproject_extras() -> set[str]:
+    """The extras pyproject.toml declares (`[project.optional-dependencies]`; no tomllib on
+    Python 3.10)."""
+    text = (DEPLOY.parent / "pyproject.toml").read_text()
+    section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+    return set(re.findall(r"^([A-Za-z0-9_-]+)\s*=", section, re.M))
+
+
 @pytest.mark.slow
 def test_dockerfile():
     steps = dockerfile()
@@ -433,7 +463,14 @@ def test_dockerfile():
     for c in copies:
         for src in c[:-1]:
             assert (root / src).exists(), f"COPY {src}: no such path in the repository"
-    assert any("pip install ." in a for a in instructions("RUN"))
+    # the package from the copied source, with extras that pyproject.toml defines, `remote`
+    # among them (the daemon's tiers.remote)
+    pips = [shlex.split(a) for a in instructions("RUN") if "pip install" in a]
+    targets = [w for argv in pips for w in argv if w.startswith(".")]
+    assert len(targets) == 1, pips
+    extras = set(re.fullmatch(r"\.(?:\[([a-z,]+)\])?", targets[0]).group(1).split(","))
+    declared = pyproject_extras()
+    assert "remote" in extras and extras <= set(declared), (extras, sorted(declared))
     # the socket directory is a volume; the port exposed is the config's
     config = CacheConfig.from_yaml(CONTAINER_CONFIG)
     volumes = {v for a in instructions("VOLUME") for v in json.loads(a)}

@@ -39,7 +39,7 @@ GROUPS = [
     ("package", ("tiered_cache",)),             # exact: the package itself (lazy)
     ("leaves", ("tiered_cache.errors", "tiered_cache.hashing", "tiered_cache.locking",
                 "tiered_cache.records", "tiered_cache.sizing", "tiered_cache.sections",
-                "tiered_cache.costs", "tiered_cache.admission")),
+                "tiered_cache.costs", "tiered_cache.admission", "tiered_cache.jit")),
     ("core", ("tiered_cache.core",)),
     ("policies", ("tiered_cache.policies",)),
     ("kernels", ("tiered_cache.kernels",)),
@@ -288,6 +288,21 @@ def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
             "import tiered_cache; "
             "assert tiered_cache.TieredKVCache is TieredKVCache and 'tiered_cache.cache' in "
             "sys.modules; assert 'torch' not in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_importing_the_config_and_the_policies_loads_no_numba():
+    """numba (llvmlite) loads when a duel is built, not at import: vLLM's CPU platform scans
+    every loaded module's objects at worker start and fails on llvmlite's ffi object, and the
+    vLLM connector imports the config and the policies before vLLM's workers start
+    (policies/duel_arrays.py, the NOTE of `_Kernels`)."""
+    code = ("import sys; import tiered_cache.config, tiered_cache.policies; "
+            "bad = [m for m in ('numba', 'llvmlite') if m in sys.modules]; "
+            "assert not bad, bad; "
+            "from tiered_cache.policies.adaptive import AdaptivePolicy; "
+            "assert 'numba' not in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -49,6 +49,7 @@ tests/test_atomic.py tests the mechanisms themselves (sections, the lock, waits)
 
 from __future__ import annotations
 
+import dis
 import gc
 import os
 import signal
@@ -149,6 +150,33 @@ def app_sigterm_handler():
         signal.signal(signal.SIGTERM, old)
 
 
+_UNREACHABLE: dict = {}
+
+
+def _unreachable(code, offset: int) -> bool:
+    """Whether a line event at `offset` of `code` is one no real asynchronous exception can
+    land at, so the `async` mode does not deliver there.
+
+    NOTE: only a trace function can raise at a line event; signal handlers and
+    `PyThreadState_SetAsyncExc` run at the eval loop's checks (calls, backward jumps), so a
+    real one lands between a call's return and the next instruction. Two line events of
+    CPython 3.11 start with instructions that are no such point, and an exception raised there
+    skips a `with`'s `__exit__`: a `try:` line (one NOP, left out of the enclosing `with`'s
+    exception range) and a `with` line's exit (`LOAD_CONST None` x3 before the call of
+    `__exit__`, outside the range too: the lock of `with lock:` would stay held). Neither is a
+    window for a signal: the call of `__exit__` is the first check point there."""
+    key = (code, offset)
+    hit = _UNREACHABLE.get(key)
+    if hit is None:
+        ins = [i for i in dis.get_instructions(code) if i.offset >= offset][:4]
+        hit = bool(ins) and (ins[0].opname == "NOP" or (
+            len(ins) == 4 and all(i.opname == "LOAD_CONST" and i.argval is None
+                                  for i in ins[:3])
+            and ins[3].opname in ("PRECALL", "CALL") and ins[3].arg == 2))
+        _UNREACHABLE[key] = hit
+    return hit
+
+
 class Injector:
     """`sys.settrace` hook: counts 'line' events in every frame the call runs (every module it
     reaches: the package, and what it calls in the standard library, numpy and torch), and at
@@ -190,6 +218,9 @@ class Injector:
         if self.k is None:
             self.modules.add(frame.f_code.co_filename)
         elif self.n == self.k:
+            if self.mode == "async" and _unreachable(frame.f_code, frame.f_lasti):
+                self.k += 1                 # delivered at the next line instead
+                return self.local_trace
             self.where = f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno} " \
                          f"({frame.f_code.co_name})"
             self.in_section = atomic.active()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.tools import cli, planner
 
@@ -173,3 +176,89 @@ def test_format_plan_is_aligned():
     table = [line for line in text.splitlines()
              if line.split() and line.split()[0] in ("tier", "gpu", "host", "total")]
     assert len({len(line) for line in table}) == 1
+
+
+# -- what the plan says happens to an evicted block (issue 23, item 7) ------------------------
+
+ENGINE_DAEMON = ROOT / "configs" / "engine-daemon.yaml"
+DAEMON_CONFIG = ROOT / "configs" / "daemon.yaml"
+
+
+def test_engine_attached_to_the_daemon_does_not_drop_evicted_blocks():
+    """configs/engine-daemon.yaml: host is replaced by the daemon's pool (no host row), the
+    daemon is listed beneath, and the note says where an evicted block is found again (every
+    computed block is published with write: on_compute), not that it is dropped."""
+    plan = planner.make_plan(CacheConfig.from_yaml(ENGINE_DAEMON))
+    assert [t.name for t in plan.tiers] == ["gpu"]
+    assert [(k.name, k.write) for k in plan.beneath] == [("daemon", "on_compute")]
+    assert "/run/tiered-cache/daemon.sock" in plan.beneath[0].where
+    text = " ".join(plan.notes)
+    assert "dropped" not in text
+    assert "published to the node daemon" in text and "open() finds it there" in text
+    assert "the daemon's config" in text
+    data = plan.to_dict()
+    assert data["beneath"][0]["name"] == "daemon"
+    out = planner.format_plan(plan)
+    assert "beneath: daemon: the node daemon at /run/tiered-cache/daemon.sock" in out
+
+
+def test_a_read_only_daemon_tier_drops_evicted_blocks_here():
+    d = CacheConfig.from_yaml(ENGINE_DAEMON).to_dict()
+    d["tiers"]["daemon"]["write"] = "off"
+    plan = planner.make_plan(CacheConfig.from_dict(d))
+    assert any("evicted from the GPU are dropped" in n for n in plan.notes)
+    assert any("tiers.daemon.write: off" in n and "only read" in n for n in plan.notes)
+
+
+def test_no_host_and_no_keyed_tier_drops_evicted_blocks():
+    d = CacheConfig.from_yaml(CONFIG_70B).to_dict()
+    d["tiers"]["host"] = {"num_blocks": 0}
+    plan = planner.make_plan(CacheConfig.from_dict(d))
+    assert plan.beneath == []
+    assert plan.notes == ["no host tier: blocks evicted from the GPU are dropped"]
+
+
+@pytest.mark.parametrize("write, says", [("on_compute", "every computed block is also put"),
+                                         ("on_host", "blocks that reach the host tier"),
+                                         ("off", "only read from")])
+def test_a_remote_tier_is_listed_beneath_with_what_it_is_given(write, says):
+    d = CacheConfig.from_yaml(CONFIG_70B).to_dict()
+    d["tiers"]["remote"] = {"url": "redis://user:secret@10.0.0.5:6379/0", "write": write}
+    plan = planner.make_plan(CacheConfig.from_dict(d))
+    assert [t.name for t in plan.tiers] == ["gpu", "host"]
+    (remote,) = plan.beneath
+    assert remote.name == "remote" and "secret" not in remote.where
+    assert any(says in n for n in plan.notes), plan.notes
+    assert any("maxmemory" in n for n in plan.notes)
+
+
+def test_the_daemons_own_config_says_gpu_is_not_built():
+    plan = planner.make_plan(CacheConfig.from_yaml(DAEMON_CONFIG))
+    assert any("tiered-cache serve" in n and "tiers.gpu is not built" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("tiers", [
+    {"host": {"num_blocks": 16}},
+    {"host": {"num_blocks": 0}},
+    {"host": {"num_blocks": 0}, "daemon": {"socket": "@SOCK@"}},
+    {"host": {"num_blocks": 16}, "disk": {"num_blocks": 8, "path": "@DISK@"}},
+])
+def test_the_plan_names_the_tiers_the_cache_builds(tiers, tmp_path):
+    """The planner chooses kinds as the stack builder does: the same slot tiers (with slots)
+    and keyed tiers as a real cache built from the same config."""
+    short = tempfile.mkdtemp(prefix="tc-plan-", dir="/tmp" if Path("/tmp").is_dir() else None)
+    try:
+        text = json.dumps(tiers).replace("@SOCK@", f"{short}/none.sock").replace(
+            "@DISK@", str(tmp_path / "disk"))
+        config = CacheConfig.from_dict({
+            "model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"},
+            "block_size": 4, "tiers": {"gpu": {"device": "cpu", "num_blocks": 8},
+                                       **json.loads(text)}})
+        plan = planner.make_plan(config)
+        with TieredKVCache(config) as cache:
+            built = [t.name for t in cache.index.tiers]
+            keyed = [k.name for k in cache.index.keyed.tiers]
+        assert [t.name for t in plan.tiers if t.num_blocks] == built
+        assert [k.name for k in plan.beneath] == keyed
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

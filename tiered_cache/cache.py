@@ -41,8 +41,10 @@ from tiered_cache.errors import (
     KVValueError,
     LayerError,
     PrefixAbortedError,
+    SequenceClosedError,
     ShapeError,
     StorageDisabledError,
+    TieredCacheError,
     TierUnavailableError,
     TokenError,
     TransferError,
@@ -310,12 +312,23 @@ class TieredKVCache:
         # waiting out the others first would only delay the same error (and a writer that a
         # single-threaded engine has not run yet would never finish).
         _check_landed(seq, layer)
-        for readiness in pending:
-            event = readiness.wait(layer, timeout)
-            if event is not None:
-                import torch
+        try:
+            for readiness in pending:
+                event = readiness.wait(layer, timeout)
+                if event is not None:
+                    import torch
 
-                torch.cuda.current_stream().wait_event(event)
+                    torch.cuda.current_stream().wait_event(event)
+        except TieredCacheError as exc:
+            if seq.closed:
+                raise SequenceClosedError(f"wait: sequence {seq.id} was closed (by another "
+                                          "thread) while this one waited") from exc
+            raise
+        if seq.closed:
+            # NOTE: closed by another thread meanwhile (close wakes waits on in-flight blocks;
+            # a promotion ends by itself): its blocks may already serve another prompt.
+            raise SequenceClosedError(f"wait: sequence {seq.id} was closed (by another thread) "
+                                      "while this one waited")
         if all(r.done and r.error is None for r in pending):
             seq.pending = []
 

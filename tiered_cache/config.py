@@ -348,6 +348,9 @@ class DaemonConfig(Section):
     max_frame_mib: int = 8
     """Largest control message (token ids of a lookup: 4 bytes a token)."""
     max_clients: int = 256
+    hello_timeout_s: float = 5.0
+    """A connection that has not said `hello` this long after it was accepted is closed (it
+    holds one of `max_clients` slots meanwhile)."""
     staging_blocks: int = 32
     """Slots of each client's staging area (shared pages it copies blocks to publish into;
     the daemon copies them into the pool). A client publishes at most this many at once."""
@@ -395,6 +398,8 @@ class DaemonConfig(Section):
         self.lease_s = positive_number(self._key("lease_s"), self.lease_s, 86400)
         positive_int(self._key("max_frame_mib"), self.max_frame_mib, 1024)
         positive_int(self._key("max_clients"), self.max_clients, 65536)
+        self.hello_timeout_s = positive_number(self._key("hello_timeout_s"),
+                                                self.hello_timeout_s, 3600)
         positive_int(self._key("staging_blocks"), self.staging_blocks, 4096)
         choice(self._key("log_format"), self.log_format, ("text", "json"))
         non_negative_int(self._key("page_pool_mib"), self.page_pool_mib, 1 << 24)

@@ -16,6 +16,7 @@ observed when that section ends, inside the section, where a signal is deferred)
 from __future__ import annotations
 
 import bisect
+import threading
 from _thread import RLock as _RLock
 from _thread import allocate_lock
 from collections.abc import Callable
@@ -24,47 +25,114 @@ from collections.abc import Callable
 BUCKETS: tuple[float, ...] = tuple(1e-6 * 2 ** (i / 4) for i in range(88))
 
 
-class HoldStats:
-    """Durations in log-spaced buckets. `observe` may run on several threads at once (a hold
-    is observed after its lock's release): it takes a C-level mutex of its own."""
+class _Shard:
+    """One thread's observations (only that thread writes them)."""
 
-    def __init__(self) -> None:
-        self._mutex = allocate_lock()
-        self._clear()
+    __slots__ = ("thread", "counts", "total", "sum", "max")
 
-    def _clear(self) -> None:
+    def __init__(self, thread: threading.Thread | None) -> None:
+        self.thread = thread
         self.counts = [0] * (len(BUCKETS) + 1)
         self.total = 0
         self.sum = 0.0
         self.max = 0.0
 
+    def add(self, other: _Shard) -> None:
+        for i, c in enumerate(other.counts):
+            self.counts[i] += c
+        self.total += other.total
+        self.sum += other.sum
+        self.max = max(self.max, other.max)
+
+
+class HoldStats:
+    """Durations in log-spaced buckets, observed on any thread (a hold is observed after its
+    lock's release, by the thread that held it).
+
+    NOTE: `observe` takes no lock. It runs inside commit sections, where an asynchronous
+    exception may land at any line (core/atomic.py), including the line event CPython emits
+    on leaving a `with` body before it calls `__exit__`: a lock held there would never be
+    released and every later observation would hang. So each thread files into a shard of its
+    own (`threading.local`; the shard list grows by `list.append`, atomic), and the readers
+    merge the shards, folding those of finished threads into one. An exception mid-observe
+    loses at most that one observation."""
+
+    def __init__(self) -> None:
+        self._mutex = allocate_lock()           # readers only (merging, reset)
+        self._local = threading.local()
+        self._shards: list[_Shard] = []
+        self._done = _Shard(None)               # what finished threads observed
+
     def observe(self, seconds: float) -> None:
+        shard = getattr(self._local, "shard", None)
+        if shard is None:
+            shard = _Shard(threading.current_thread())
+            self._shards.append(shard)          # listed before it is used: none is lost
+            self._local.shard = shard
+        shard.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
+        shard.total += 1
+        shard.sum += seconds
+        if seconds > shard.max:
+            shard.max = seconds
+
+    def _merged(self) -> _Shard:
         with self._mutex:
-            self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-            self.total += 1
-            self.sum += seconds
-            if seconds > self.max:
-                self.max = seconds
+            live = []
+            for shard in list(self._shards):
+                if shard.thread is not None and not shard.thread.is_alive():
+                    self._done.add(shard)
+                else:
+                    live.append(shard)
+            self._shards[:] = live
+            out = _Shard(None)
+            out.add(self._done)
+            for shard in live:
+                out.add(shard)
+            return out
+
+    @property
+    def counts(self) -> list[int]:
+        return self._merged().counts
+
+    @property
+    def total(self) -> int:
+        return self._merged().total
+
+    @property
+    def sum(self) -> float:
+        return self._merged().sum
+
+    @property
+    def max(self) -> float:
+        return self._merged().max
 
     def quantile(self, q: float) -> float:
         """Upper bound of the bucket holding the q-quantile (within 19% above the true value)."""
-        if not self.total:
-            return 0.0
-        rank = q * self.total
-        seen = 0
-        for i, c in enumerate(self.counts):
-            seen += c
-            if seen >= rank and c:
-                return min(BUCKETS[i], self.max) if i < len(BUCKETS) else self.max
-        return self.max
+        return _quantile(self._merged(), q)
 
     def reset(self) -> None:
         with self._mutex:
-            self._clear()
+            self._done = _Shard(None)
+            for shard in self._shards:
+                shard.counts = [0] * (len(BUCKETS) + 1)
+                shard.total, shard.sum, shard.max = 0, 0.0, 0.0
 
     def summary(self) -> dict[str, float]:
-        return {"count": self.total, "p50_s": self.quantile(0.5), "p99_s": self.quantile(0.99),
-                "max_s": self.max, "mean_s": self.sum / self.total if self.total else 0.0}
+        m = self._merged()
+        return {"count": m.total, "p50_s": _quantile(m, 0.5), "p99_s": _quantile(m, 0.99),
+                "max_s": m.max, "mean_s": m.sum / m.total if m.total else 0.0}
+
+
+def _quantile(m: _Shard, q: float) -> float:
+    if not m.total:
+        return 0.0
+    rank = q * m.total
+    seen = 0
+    for i, c in enumerate(m.counts):
+        seen += c
+        if seen >= rank and c:
+            return min(BUCKETS[i], m.max) if i < len(BUCKETS) else m.max
+    return m.max
 
 
 class TimedLock(_RLock):

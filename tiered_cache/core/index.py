@@ -59,7 +59,7 @@ from tiered_cache.core.batch import _NO_IDS, BatchOps
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT, BlockTable
 from tiered_cache.core.copies import Copies
 from tiered_cache.core.eviction import Run, Space, no_copy
-from tiered_cache.core.inflight import InFlight
+from tiered_cache.core.inflight import InFlight, wake_closed
 from tiered_cache.core.keyed import KeyedTiers
 from tiered_cache.core.persist import Persistence
 from tiered_cache.core.readiness import LayerReadiness
@@ -600,6 +600,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         seq.match_ids = _NO_IDS
         seq.closed = True
         del self.open_seqs[seq.id]
+        if seq.pending:
+            wake_closed(seq)            # a wait on another thread must not outlive the close
 
     @_mutator
     def invalidate(self, tokens: np.ndarray, *, salt: str | bytes | None = None,

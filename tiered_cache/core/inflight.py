@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.sequence import Sequence
-from tiered_cache.errors import PrefixAbortedError
+from tiered_cache.errors import PrefixAbortedError, SequenceClosedError
 
 if TYPE_CHECKING:
     from tiered_cache.core.index import BlockIndex
@@ -197,6 +197,16 @@ class InFlight:
                     f"layer (layers ready: {w.readiness.ready_layers}); compute those tokens "
                     "yourself: close the sequence and open it again"))
         writer.waiters = []
+
+
+def wake_closed(seq: Sequence) -> None:
+    """`seq` closes while another thread may wait on the blocks it took in flight: fail its
+    own readiness on them (each waiter has its own), so that the wait wakes now rather than
+    when the writer writes. Lock held by the caller."""
+    for r in seq.pending:
+        if r.inflight and not r.done:
+            r.fail(SequenceClosedError(f"sequence {seq.id} was closed while waiting for "
+                                       "blocks another sequence computes"))
 
 
 def _advance(writer: Sequence, w: Waiter) -> None:

@@ -55,13 +55,15 @@ class LeaseTable:
 
     # the table --------------------------------------------------------------------------------
 
-    def grant(self, client: Hashable) -> float:
-        """Start `client`'s lease; returns its expiry (on the table's clock)."""
+    def grant(self, client: Hashable, lease_s: float | None = None) -> float:
+        """Start `client`'s lease (of `lease_s`, default the table's); returns its expiry (on
+        the table's clock)."""
         with self._cond:
             if client in self._live:
                 raise ValueError(f"client {client!r} already holds a lease")
             self._counts["granted"] += 1
-            return self._set(client, self._clock() + self.lease_s)
+            return self._set(client, self._clock() + (self.lease_s if lease_s is None
+                                                      else lease_s))
 
     def renew(self, client: Hashable) -> float:
         """Extend `client`'s lease by lease_s from now; LeaseExpiredError if it has none (or

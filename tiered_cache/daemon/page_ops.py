@@ -170,9 +170,12 @@ class PageService:
         space = self.space_of(state, f["space"])
         with state.lock:
             staging = state.page_staging.get(f["space"])
-        if staging is None:
-            raise PageSpaceError("page_put needs the space's staging area: page_attach first")
-        stored = space.put(f["part"], f["entries"], staging)
+            if staging is None:
+                raise PageSpaceError("page_put needs the space's staging area: page_attach "
+                                     "first")
+            retained = staging.retain()     # a reap meanwhile unmaps it after the copy
+        with retained:
+            stored = space.put(f["part"], f["entries"], staging)
         return {"stored": [int(x) for x in stored]}
 
     # lifetime ---------------------------------------------------------------------------------

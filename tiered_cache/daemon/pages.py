@@ -82,7 +82,8 @@ class PageSpace:
         self.page_bytes = page_bytes
         self.staging_slots = staging_slots
         self.geometry = PageGeometry(num_slots, page_bytes)
-        self.shared = SharedPool.create(self.geometry, name=f"pages-{tenant}")
+        self.shared = SharedPool.create(self.geometry, name=f"pages-{tenant}",
+                                        read_only_clients=True)
         self._buf = self.shared.buffer()
         self.disk = disk            # pages.disk.PageDisk or None
         self.remote = remote        # pages.remote.PageRemote or None

@@ -55,6 +55,7 @@ from tiered_cache.hashing import BlockHasher, Namespace
 from tiered_cache.tiers.base import DAEMON
 from tiered_cache.tiers.stack import build_stack, plan_asks
 from tiered_cache.wire.errors import DaemonError, register_error
+from tiered_cache.wire.ops import MAX_BLOCKS
 from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,10 @@ class Partition:
         the pool (read from disk if need be, waiting up to `wait_s`); (hold, their slots), or
         (None, []) for a miss."""
         self._count("fetches")
-        tokens = tokens[:len(tokens) // self.block_size * self.block_size]
+        # NOTE: at most a reply's worth (MAX_BLOCKS slots): a longer match is answered with
+        # its first blocks, and nothing past them is pinned; the client fetches on after them.
+        n = min(len(tokens) // self.block_size, MAX_BLOCKS)
+        tokens = tokens[:n * self.block_size]
         root_id = self._root_id(root)
         found, remote_failed = self._hold(root, root_id, parent, tokens, wait_s,
                                           bool(self.stack.stores))

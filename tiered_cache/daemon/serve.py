@@ -18,6 +18,7 @@ import threading
 import time
 
 from tiered_cache.config import CacheConfig
+from tiered_cache.wire.errors import DaemonError
 
 DESCRIPTION = ("Run the node daemon: one cache that every engine process on the node shares "
                "(engines attach with tiers.daemon.socket).")
@@ -65,10 +66,16 @@ def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    service = NodeService(config)
+    try:
+        service = NodeService(config)
+    except OSError as exc:          # one line, like every other reason not to start
+        raise DaemonError(f"cannot start the daemon: {exc}") from exc
     http = None
     try:
-        service.start()
+        try:
+            service.start()
+        except OSError as exc:
+            raise DaemonError(f"cannot start the daemon: {exc}") from exc
         if config.metrics.http_port is not None:
             from tiered_cache.daemon.observe import serve_http
 

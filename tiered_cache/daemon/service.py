@@ -5,8 +5,13 @@ transport); which tenant it belongs to from `daemon.tenants` ("uid:N" / "gid:N" 
 default every uid is its own tenant, "uid-N"). A client holds, for as long as its lease lives:
 its handles (pins on blocks it is copying out of the pool), and its staging area (the shared
 pages it copies blocks to publish into). When its connection closes (a SIGKILL closes it too)
-or its lease passes, the lease table calls `_reap` once, which closes every handle and unmaps
-the staging area.
+or its lease passes, the lease table calls `_expired` once, which closes every handle, unmaps
+the staging area and closes the connection (telling it `lease_expired`).
+
+Every connection holds a lease from the moment it is accepted: `daemon.hello_timeout_s` until
+its `hello`, `daemon.lease_s` after. NOTE: so no connection holds one of `max_clients` slots
+for longer than its lease without renewing it: peers that never say hello, and clients reaped
+while silent, are disconnected, and cannot lock the others out.
 
 NOTE: a handle added after the reap would pin blocks forever, so every change to a client's
 handles happens under its lock and checks `reaped` first; the reap takes the same lock.
@@ -74,7 +79,8 @@ class NodeService:
         self._clients: dict[int, ClientState] = {}
         self._lock = threading.Lock()
         self._handles = itertools.count(1)
-        self.counters = {"reaped_clients": 0, "released_handles": 0, "reaped_handles": 0}
+        self.counters = {"reaped_clients": 0, "released_handles": 0, "reaped_handles": 0,
+                         "closed_connections": 0}
         self.pages = PageService(config)
         self.leases = LeaseTable(d.lease_s, self._expired)
         allow = (Allowlist.of(d.allow_uids, d.allow_gids)
@@ -82,7 +88,7 @@ class NodeService:
         self.server = Server(make_protocol(d.max_frame_mib << 20), self.handle,
                              ServerConfig(d.socket, allow=allow, max_clients=d.max_clients,
                                           socket_mode=d.socket_mode),
-                             disconnected=self._disconnected)
+                             connected=self._connected, disconnected=self._disconnected)
         self.started = time.time()
         for tenant in tenants:
             self.partition(tenant)
@@ -147,6 +153,14 @@ class NodeService:
                                     "expired, reconnect)")
         return state
 
+    def connect_local(self, peer: Peer) -> None:
+        """An in-process client (the vLLM connector's LocalTransport) starts as an accepted
+        connection does: with a lease until its hello."""
+        self._connected(peer)
+
+    def _connected(self, peer: Peer) -> None:
+        self.leases.grant(peer.client, self.config.daemon.hello_timeout_s)
+
     def _disconnected(self, peer: Peer) -> None:
         self.leases.close(peer.client)
 
@@ -159,6 +173,12 @@ class NodeService:
                 self.counters["reaped_clients"] += 1
                 self.counters["reaped_handles"] += n
             log.info("%s (tenant %s): reaped, %d handles released", state.peer, state.tenant, n)
+        said = "its lease expired" if state is not None else \
+            f"no hello within daemon.hello_timeout_s ({self.config.daemon.hello_timeout_s} s)"
+        if self.server.close_client(client, LeaseExpiredError(  # type: ignore[arg-type]
+                f"{said}: the daemon closed the connection (reconnect and say hello)")):
+            with self._lock:
+                self.counters["closed_connections"] += 1
 
     def _release_all(self, state: ClientState) -> int:
         with state.lock:
@@ -209,10 +229,16 @@ class NodeService:
             return {"held": seq is not None}
         if op == "publish":
             with state.lock:
-                staging = state.staging
-            if staging is None:
-                raise UnauthorizedError("publish needs the staging area: attach first")
-            taken = part.publish(f["root"], f["entries"], staging)
+                if state.reaped:
+                    raise LeaseExpiredError("the lease expired: reconnect")
+                if state.staging is None:
+                    raise UnauthorizedError("publish needs the staging area: attach first")
+                # NOTE: retained under the client's lock, which the reap takes before it closes
+                # the area: a reap during the copy unmaps it only after the copy (use after
+                # unmap: SIGSEGV, or another mapping's bytes published as this client's KV).
+                retained = state.staging.retain()
+            with retained as staging:
+                taken = part.publish(f["root"], f["entries"], staging)
             return {"taken": [int(x) for x in taken]}
         if op == "lookup":
             return {"blocks": part.lookup(f["root"], f["parent"], f["tokens"])}
@@ -251,11 +277,20 @@ class NodeService:
         part = self.partition(tenant)
         with self._lock:
             known = peer.client in self._clients
-            if not known:
-                self._clients[peer.client] = ClientState(peer, tenant, part)
         if not known:
-            self.leases.grant(peer.client)
-            log.info("%s: hello, tenant %s", peer, tenant)
+            # the connection's lease until hello becomes a full one (LeaseExpiredError if it
+            # already ended: the connection is being closed), and only then the client's state
+            self.leases.renew(peer.client)
+            with self._lock:
+                known = peer.client in self._clients
+                if not known:
+                    self._clients[peer.client] = ClientState(peer, tenant, part)
+            if peer.client not in self.leases:      # expired in between: reaped already
+                with self._lock:
+                    self._clients.pop(peer.client, None)
+                raise LeaseExpiredError("the lease ended during hello: reconnect")
+            if not known:
+                log.info("%s: hello, tenant %s", peer, tenant)
         return {"client": peer.client, "lease_s": float(self.leases.lease_s), "tenant": tenant,
                 "salt": tenant.encode(), "namespace": self.namespace,
                 "staging_slots": self.config.daemon.staging_blocks, "pid": peer.pid}

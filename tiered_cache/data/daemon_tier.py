@@ -30,15 +30,19 @@ import torch
 
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.data.disk_tier import CorruptBlocks
-from tiered_cache.errors import TransferError
+from tiered_cache.errors import ConfigError, TransferError
 from tiered_cache.wire.client import Client
-from tiered_cache.wire.errors import DaemonError, LeaseExpiredError
+from tiered_cache.wire.errors import DaemonError, DaemonUnavailableError, LeaseExpiredError
 from tiered_cache.wire.ops import MAX_BLOCKS, make_protocol
 from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 log = logging.getLogger(__name__)
 
 _MAX_ROOTS = 1 << 16
+_MODEL_KEYS = (("num_layers", "model.num_layers"), ("num_kv_heads", "model.num_kv_heads"),
+               ("head_dim", "model.head_dim"), ("dtype", "model.dtype"),
+               ("block_size", "block_size"))
+"""The pool's geometry fields and the engine's config keys they come from."""
 
 
 class DaemonTier:
@@ -48,9 +52,11 @@ class DaemonTier:
     scales = None
 
     def __init__(self, socket_path: str, *, timeout_s: float, geometry: PoolGeometry,
-                 namespace: bytes, gpu, max_frame: int = 8 << 20) -> None:
+                 namespace: bytes, gpu, max_frame: int = 8 << 20,
+                 required: bool = False) -> None:
         self.path = socket_path
         self.timeout_s = timeout_s
+        self.required = required                # tiers.daemon.required: no start without it
         self.geometry = geometry                # what this engine expects (num_slots unused)
         self.namespace = namespace
         self.gpu = gpu                          # this engine's device pool (for warm-up)
@@ -90,8 +96,15 @@ class DaemonTier:
         self._warm_up()
         try:
             self._attach()
+        except ConfigError:
+            raise                       # a daemon of another model: no waiting fixes that
         except Exception as exc:         # noqa: BLE001 - the daemon may simply not be up yet
             self._failed(exc)
+            if self.required:
+                raise DaemonUnavailableError(
+                    f"tiers.daemon.required: no daemon answers at {self.path} ({exc}); start "
+                    "`tiered-cache serve` first, or set required: false to serve from the GPU "
+                    "tier alone until it answers") from exc
             log.warning("tiers.daemon: no daemon at %s yet (%s); serving from the GPU tier "
                         "until it answers", self.path, exc)
         self._thread = threading.Thread(target=self._run, name="tc-daemon-link", daemon=True)
@@ -103,9 +116,6 @@ class DaemonTier:
         pool = staging = None
         try:
             hello = client.call("hello")
-            if hello["namespace"] != self.namespace:
-                raise DaemonError(f"the daemon at {self.path} serves another model, KV dtype "
-                                  "or geometry (its namespace differs from this engine's)")
             reply = client.request("attach")
             fds = list(reply.fds)
             fields = dict(reply.fields)
@@ -114,14 +124,13 @@ class DaemonTier:
                 for fd in fds:
                     _close(fd)
                 raise DaemonError(f"attach sent {len(fds)} file descriptors, expected 2")
-            g = PoolGeometry.from_fields(fields)
-            want = self.geometry
-            if (g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype) != (
-                    want.num_layers, want.block_size, want.num_kv_heads, want.head_dim,
-                    want.dtype):
+            try:
+                self._check_model(fields, hello["namespace"])
+                g = PoolGeometry.from_fields(fields)
+            except BaseException:
                 for fd in fds:
                     _close(fd)
-                raise DaemonError(f"the daemon's pool geometry {g} differs from this engine's")
+                raise
             pool = SharedPool.attach(fds[0], g, writable=False)
             staging = SharedPool.attach(fds[1], PoolGeometry(
                 n_staging, g.num_layers, g.block_size, g.num_kv_heads, g.head_dim, g.dtype))
@@ -148,6 +157,28 @@ class DaemonTier:
             self.on_attach(hello["salt"])
         log.info("tiers.daemon: attached to %s as client %d (tenant %s, %d pool slots)",
                  self.path, hello["client"], self.tenant, g.num_slots)
+
+    def _check_model(self, fields: dict[str, Any], namespace: bytes) -> None:
+        """ConfigError naming this engine's key that differs from the daemon's (its pool's
+        geometry, then its namespace: the model name), if any.
+
+        NOTE: the daemon keys blocks by its namespace (model, KV dtype, geometry, block size):
+        an engine of another one could share nothing, and waiting does not change that."""
+        want = self.geometry
+        for name, key in _MODEL_KEYS:
+            theirs, ours = fields[name], getattr(want, name)
+            if theirs != ours:
+                raise ConfigError(key, f"{ours!r} here, but the daemon at {self.path} serves "
+                                       f"{theirs!r}: an engine attached to a daemon needs the "
+                                       "daemon's model, KV dtype and geometry")
+        if namespace != self.namespace:
+            raise ConfigError("model.name", f"the daemon at {self.path} serves another model "
+                                            "of the same geometry (its namespace differs "
+                                            "from this engine's): name the model as the "
+                                            "daemon's config does")
+        if fields["slot_stride"] != want.slot_stride:
+            raise DaemonError(f"the daemon's slot stride {fields['slot_stride']} differs from "
+                              f"ours ({want.slot_stride}): another page size")
 
     def _warm_up(self) -> None:
         """Both copy paths once, before attaching, so that the first real ones (a put, a load)
@@ -200,7 +231,11 @@ class DaemonTier:
                     continue
                 except Exception as exc:  # noqa: BLE001 - logged, counted, retried
                     self.counters["attach_failures"] += 1
-                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    error = f"{type(exc).__name__}: {exc}"
+                    if isinstance(exc, ConfigError) and error != self.last_error:
+                        # a daemon restarted with another model: said once, retried quietly
+                        log.error("tiers.daemon: cannot attach: %s", exc)
+                    self.last_error = error
                     self._wake.wait(backoff)
                     self._wake.clear()
                     backoff = min(2.0, backoff * 2)

@@ -58,10 +58,10 @@ import math
 import numpy as np
 
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.policies import duel_arrays
 from tiered_cache.policies.base import PriorityPolicy
 from tiered_cache.policies.duel import MAX_RATE, MINI_SLOTS, Duel, Z
 from tiered_cache.policies.duel_arrays import ArrayDuel
-from tiered_cache.policies.duel_kernels import walk_up
 from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT, REDUNDANT
 from tiered_cache.policies.shadow import EXPERTS, TAIL_FIRST, Expert, Turnover, credit
 
@@ -366,7 +366,7 @@ class AdaptivePolicy(PriorityPolicy):
                 out = self._out
                 if len(out) <= limit:
                     out = self._out = np.empty(2 * limit + 1, np.int64)
-                m = walk_up(par, hv, b, limit, out)
+                m = duel_arrays.K.walk_up(par, hv, b, limit, out)
                 seg = out[:m]
                 seg_keys = [key[x] for x in seg.tolist()]
                 if None in seg_keys:

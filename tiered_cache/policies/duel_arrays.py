@@ -31,12 +31,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tiered_cache.policies import duel_kernels as K
 from tiered_cache.policies.duel import MAX_RATE, MINI_SLOTS, Z, sample_rate
 from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT
 from tiered_cache.policies.shadow import EXPERTS, Expert
 
 _EMPTY = b""
+
+
+class _Kernels:
+    """duel_kernels, imported at the first use of one of its names (then `K` is the module).
+
+    NOTE: numba (and llvmlite with it) loads only when a duel is built or warmed up, not when
+    the policies are imported: vLLM's CPU platform scans every loaded module's objects when a
+    worker starts (vllm.triton_utils.dispatcher) and fails on llvmlite's ffi object, and the
+    vLLM connector imports the policies (through the config) before vLLM's workers start."""
+
+    def __getattr__(self, name: str):
+        from tiered_cache.policies import duel_kernels
+
+        globals()["K"] = duel_kernels
+        return getattr(duel_kernels, name)
+
+
+K = _Kernels()
 
 
 _warm = False

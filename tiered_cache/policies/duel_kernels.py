@@ -39,7 +39,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+
+from tiered_cache.jit import njit
 
 # -- fields of S (one row per slot) -----------------------------------------------------------
 KHI, KLO, USES, FIRST, LAST, DEPTH, TAIL, PHI, PLO, PNONE, PREV, NEXT, STAMP = range(13)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from tiered_cache.core.tier import DEVICE, TierSpec
 from tiered_cache.errors import ConfigError
-from tiered_cache.sections import Section, choice, positive_number
+from tiered_cache.sections import Section, boolean, choice, positive_number
 from tiered_cache.sizing import short_repr
 from tiered_cache.tiers.base import ENGINE, KEYED, Context, Needs, TierKind, register
 from tiered_cache.wire.ops import MAX_BLOCKS
@@ -48,6 +48,9 @@ class DaemonTierConfig(Section):
     write: str = "on_compute"
     """on_compute: every block this engine computes is published to the daemon (in the
     background), where the other engine processes of the node find it; off: only read."""
+    required: bool = False
+    """true: the engine does not start without the daemon (DaemonUnavailableError when nothing
+    answers at the socket); false: it serves from its GPU tier alone until the daemon answers."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.socket, str) or not self.socket or "\0" in self.socket \
@@ -58,6 +61,7 @@ class DaemonTierConfig(Section):
         self.lookup_deadline_ms = positive_number(self._key("lookup_deadline_ms"),
                                                   self.lookup_deadline_ms, 60_000)
         choice(self._key("write"), self.write, DAEMON_WRITES)
+        boolean(self._key("required"), self.required)
 
 
 class DaemonKind(TierKind):
@@ -112,7 +116,8 @@ class DaemonKind(TierKind):
         geometry = PoolGeometry(1, model.num_layers, int(ctx.config.block_size),
                                 model.num_kv_heads, model.head_dim, model.dtype)
         return DaemonTier(d.socket, timeout_s=d.timeout_s, geometry=geometry,
-                          namespace=ctx.hasher.namespace_digest(), gpu=ctx.pools[DEVICE])
+                          namespace=ctx.hasher.namespace_digest(), gpu=ctx.pools[DEVICE],
+                          required=d.required)
 
     def handlers(self):
         from tiered_cache.data import daemon_tier

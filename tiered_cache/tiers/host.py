@@ -95,7 +95,8 @@ class HostKind(TierKind):
         cfg, model, bs = ctx.section(self.name), ctx.config.model, int(ctx.config.block_size)
         if ctx.role == DAEMON:
             geometry = _shared_geometry(ctx.config, self.name)
-            return SharedHostPool(SharedPool.create(geometry, name=f"{self.name}-{ctx.tenant}"))
+            return SharedHostPool(SharedPool.create(geometry, name=f"{self.name}-{ctx.tenant}",
+                                                     read_only_clients=True))
         return make_pool(HostPool.layout, spec.num_slots, memory=cfg.memory,
                          max_slots=cfg.max_num_blocks, segment_slots=cfg.segment_blocks,
                          num_layers=model.num_layers, block_size=bs,

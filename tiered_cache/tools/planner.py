@@ -6,6 +6,11 @@
 `--gpu-memory` / `--host-memory` set the free memory that a `"70%"` capacity applies to, so an
 operator can plan for a machine they are not on. Sizes given in bytes or `num_blocks` don't
 depend on the machine. No torch is imported unless a `"%"` GPU capacity must ask CUDA.
+
+The tiers are those an engine builds from the config (the registered tier kinds, without the
+ones another replaces: an engine attached to the node daemon builds no host tier); the keyed
+tiers beneath them (remote, daemon) hold no slots of this process and are listed below the
+table, with where a block the GPU evicts goes.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from tiered_cache import sizing
-from tiered_cache.config import CacheConfig
+from tiered_cache.config import CacheConfig, DaemonConfig
 from tiered_cache.errors import ConfigError, TierUnavailableError
+from tiered_cache.stores.base import redact_url
+from tiered_cache.tiers.base import ENGINE, KEYED, TierKind, kinds
 from tiered_cache.tools import command
 
 DESCRIPTION = """\
@@ -38,6 +45,18 @@ class TierPlan(NamedTuple):
     tokens: int
 
 
+class KeyedPlan(NamedTuple):
+    """A keyed tier beneath the slot tiers: no slots of this process; sized elsewhere."""
+
+    name: str
+    where: str
+    """What holds its blocks ("the node daemon at /run/...", "redis://host:6379/0")."""
+    write: str
+    """Its `write` key: which blocks this engine puts there (`off`: read only)."""
+    sized_by: str
+    """What sets its size."""
+
+
 @dataclass
 class Plan:
     bytes_per_token: int
@@ -49,6 +68,8 @@ class Plan:
     model: str = ""
     write_policy: str = "write_back"
     notes: list[str] = field(default_factory=list)
+    beneath: list[KeyedPlan] = field(default_factory=list)
+    """The keyed tiers (remote, daemon), in the order open() consults them."""
 
     @property
     def total_blocks(self) -> int:
@@ -69,8 +90,57 @@ class Plan:
             "total_blocks": self.total_blocks,
             "total_bytes": self.total_bytes,
             "total_tokens": self.total_tokens,
+            "beneath": [k._asdict() for k in self.beneath],
             "notes": list(self.notes),
         }
+
+
+def engine_kinds(config: CacheConfig) -> list[TierKind]:
+    """The tier kinds an engine builds from `config`, in order: configured in the engine
+    role, without those another configured kind replaces (as the stack builder chooses)."""
+    configured = [kind for kind in kinds().values()
+                  if ENGINE in kind.roles and getattr(config.tiers, kind.name) is not None]
+    replaced = {name for kind in configured for name in kind.needs.replaces}
+    return [kind for kind in configured if kind.name not in replaced]
+
+
+def _keyed(config: CacheConfig, kind: TierKind) -> KeyedPlan:
+    section = getattr(config.tiers, kind.name)
+    write = str(getattr(section, "write", "off"))
+    if kind.name == "daemon":
+        return KeyedPlan(kind.name, f"the node daemon at {section.socket}", write,
+                         "the daemon's config (tiers.host and tiers.disk per tenant)")
+    if kind.name == "remote":
+        return KeyedPlan(kind.name, f"the store at {redact_url(section.url)}", write,
+                         "the server (its maxmemory and eviction policy)")
+    return KeyedPlan(kind.name, f"tiers.{kind.name}", write, "its own section")
+
+
+def _where_evictions_go(slots: list[TierPlan], beneath: list[KeyedPlan]) -> list[str]:
+    """Notes: what happens to a block the device tier evicts, and what each keyed tier gets."""
+    notes = []
+    below = next((t for t in slots[1:] if t.num_blocks > 0), None)
+    device = slots[0].name
+    written = [k for k in beneath if k.write == "on_compute"]
+    if below is None and written:
+        names = ", ".join(k.where for k in written)
+        notes.append(f"no host tier in this process: every block it computes is also "
+                     f"published to {names} (write: on_compute), so a block the "
+                     f"{device.upper()} evicts is not lost: open() finds it there (until "
+                     f"that tier evicts it in turn), as the other engines do")
+    elif below is None:
+        notes.append(f"no host tier: blocks evicted from the {device.upper()} are dropped")
+    for k in beneath:
+        if k.write == "off":
+            notes.append(f"tiers.{k.name}.write: off: {k.where} is only read from")
+        elif k.write == "on_host":
+            notes.append(f"tiers.{k.name}.write: on_host: blocks that reach the host tier are "
+                         f"put to {k.where}")
+        elif below is not None:
+            notes.append(f"tiers.{k.name}.write: on_compute: every computed block is also "
+                         f"put to {k.where}")
+        notes.append(f"tiers.{k.name}: its capacity is set by {k.sized_by}, not here")
+    return notes
 
 
 def make_plan(config: CacheConfig, gpu_free: int | None = None,
@@ -79,21 +149,22 @@ def make_plan(config: CacheConfig, gpu_free: int | None = None,
     that a `"%"` capacity applies to (None: ask this machine)."""
     block = config.block_bytes
     tiers = []
-    names = [("gpu", gpu_free), ("host", host_free)]
-    if config.tiers.disk is not None:
-        names.append(("disk", disk_free))
-    for name, free in names:
-        n = sizing.tier_num_blocks(config, name, free)
+    free_of = {"gpu": gpu_free, "host": host_free, "disk": disk_free}
+    chosen = engine_kinds(config)
+    for kind in (k for k in chosen if k.shape != KEYED):
+        n = sizing.tier_num_blocks(config, kind.name, free_of.get(kind.name))
         # bytes where the tier lives: on disk a slot also takes its header and alignment
-        tiers.append(TierPlan(name, n, n * sizing.tier_slot_bytes(config, name),
+        tiers.append(TierPlan(kind.name, n, n * sizing.tier_slot_bytes(config, kind.name),
                               n * config.block_size))
-    notes = []
-    host = tiers[1]
-    if host.num_blocks == 0:
-        notes.append("no host tier: blocks evicted from the GPU are dropped")
-    elif config.write_policy == "write_through":
+    beneath = [_keyed(config, kind) for kind in chosen if kind.shape == KEYED]
+    notes = _where_evictions_go(tiers, beneath)
+    if config.write_policy == "write_through" and any(t.num_blocks for t in tiers[1:]):
         notes.append("write_through copies each full GPU block to host, so the tiers overlap: "
                      "the total counts slots, not distinct tokens")
+    if config.daemon != DaemonConfig():
+        notes.append("this config has a daemon: section (the node daemon's): under "
+                     "`tiered-cache serve` tiers.gpu is not built, and the host and disk tiers "
+                     "above are what each tenant partition gets")
     return Plan(
         bytes_per_token=config.bytes_per_token,
         bytes_per_block=block,
@@ -103,6 +174,7 @@ def make_plan(config: CacheConfig, gpu_free: int | None = None,
         model=config.model.name,
         write_policy=config.write_policy,
         notes=notes,
+        beneath=beneath,
     )
 
 
@@ -136,6 +208,7 @@ def format_plan(plan: Plan) -> str:
     lines.extend(fmt(r) for r in rows[:-1])
     lines.append("  ".join("-" * w for w in widths))
     lines.append(fmt(rows[-1]))
+    lines.extend(f"beneath: {k.name}: {k.where} (write: {k.write})" for k in plan.beneath)
     lines.extend(f"note: {n}" for n in plan.notes)
     return "\n".join(lines)
 

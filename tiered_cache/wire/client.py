@@ -155,7 +155,19 @@ class Client:
                 if timeout != self._recv_timeout:
                     set_timeouts(sock, recv_s=timeout, send_s=timeout)
                     self._recv_timeout = timeout
-                sock.sendall(data)
+                try:
+                    sock.sendall(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    # NOTE: the daemon ended this connection (a lease it reaped); what it said
+                    # as it did (a connection-level error, id 0) may still be waiting to be
+                    # read: that, not a broken pipe, is the answer.
+                    body, fds = self._recv_frame(sock)
+                    _close_fds(fds)
+                    reply = self.protocol.decode_reply(body, op)
+                    self._drop()
+                    if reply.id == 0 and reply.error is not None:
+                        raise reply.error from None
+                    raise
                 body, fds = self._recv_frame(sock)
             except (TimeoutError, BlockingIOError):
                 self._drop()

@@ -20,7 +20,12 @@ memfd + SCM_RIGHTS, not a file in /dev/shm
   truncate the pool under the others' mappings (which would SIGBUS every process touching the
   cut-off pages) or add seals of its own.
 - Read-only clients: `client_fd(writable=False)` reopens the memfd O_RDONLY, so that client can
-  only map it PROT_READ; the kernel, not the client, enforces it.
+  only map it PROT_READ. NOTE: that alone is not enough: the memfd's owner (every client of the
+  daemon's uid, the default allowlist) can reopen `/proc/self/fd/N` O_RDWR. A pool that only the
+  daemon writes (`create(read_only_clients=True)`) is therefore also sealed against future
+  writes (F_SEAL_FUTURE_WRITE, Linux 5.1+) once the daemon holds its own writable mapping: no
+  descriptor, however opened, can then be mapped writable, written, or have holes punched in
+  it; the daemon's existing mapping still writes. (F_SEAL_WRITE would forbid that mapping too.)
 
 The pages are allocated when the pool is created (`posix_fallocate`), so running out of memory
 is an error at start, never a SIGBUS at the first write of a client.
@@ -39,6 +44,7 @@ import logging
 import mmap
 import os
 import stat
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +65,7 @@ TORCH_NAMES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16
 
 PAGE = mmap.PAGESIZE
 SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)   # Python 3.11 lacks it
 CUDA_HOST_REGISTER_READ_ONLY = 8        # cudaHostRegisterReadOnly
 
 GEOMETRY_FIELDS = {
@@ -139,13 +146,17 @@ class SharedPool:
     `[num_slots, L, 2, bs, H, D]` tensor over the shared pages."""
 
     def __init__(self, fd: int | None, geometry: PoolGeometry, mm: mmap.mmap,
-                 writable: bool) -> None:
+                 writable: bool, *, write_sealed: bool = False) -> None:
         self.fd = fd
         self.geometry = geometry
         self.writable = writable
+        self.write_sealed = write_sealed    # no new writable mapping of it can be made
         self._mmap: mmap.mmap | None = mm
         self._kv: torch.Tensor | None = None
         self.cuda_registered = False
+        self._users_lock = threading.Lock()
+        self._users = 0                     # copies under way through the mapping (retain)
+        self._closing = False
 
     @property
     def kv(self) -> torch.Tensor:
@@ -157,9 +168,11 @@ class SharedPool:
         return self._kv
 
     @classmethod
-    def create(cls, geometry: PoolGeometry, *, name: str = "pool",
-               populate: bool = True) -> SharedPool:
-        """A new, zeroed pool in a sealed memfd (mode 0600, close-on-exec)."""
+    def create(cls, geometry: PoolGeometry, *, name: str = "pool", populate: bool = True,
+               read_only_clients: bool = False) -> SharedPool:
+        """A new, zeroed pool in a sealed memfd (mode 0600, close-on-exec). With
+        `read_only_clients` only this mapping ever writes it: it is sealed against new writable
+        mappings and writes (see the module's note), and `client_fd` hands out read-only fds."""
         fd = os.memfd_create(f"tiered-cache-{name}",
                              os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -167,14 +180,16 @@ class SharedPool:
             os.ftruncate(fd, geometry.nbytes)
             if populate:
                 os.posix_fallocate(fd, 0, geometry.nbytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SIZE_SEALS)
             mm = _map(fd, geometry.nbytes, writable=True)
+            sealed = read_only_clients and _seal_future_writes(fd, name)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
         except BaseException:
             os.close(fd)
             raise
         log.info("shared pool %r: %d slots of %d bytes (%d MiB) in a memfd", name,
                  geometry.num_slots, geometry.slot_stride, geometry.nbytes >> 20)
-        return cls(fd, geometry, mm, writable=True)
+        return cls(fd, geometry, mm, writable=True, write_sealed=sealed)
 
     @classmethod
     def attach(cls, fd: int, geometry: PoolGeometry, *, writable: bool = True) -> SharedPool:
@@ -202,6 +217,8 @@ class SharedPool:
         one is a fresh O_RDONLY open of the memfd: its holder cannot map it writable."""
         if self.fd is None:
             raise RuntimeError("only the pool's creator hands out its fd")
+        if writable and self.write_sealed:
+            raise RuntimeError("this pool is sealed against writes: only read-only fds of it")
         if writable:
             return os.dup(self.fd)
         return os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -247,12 +264,43 @@ class SharedPool:
 
     # lifetime ---------------------------------------------------------------------------------
 
+    def retain(self) -> _Retained:
+        """Keep the mapping until the returned context exits, whoever calls `close` meanwhile:
+        for a copy through it on one thread while another may close it. Raises RuntimeError
+        once `close` was called.
+
+        NOTE: torch views do not hold the mapping (torch.frombuffer lets go of the buffer
+        export), so a close under a copy would unmap the pages the copy reads: SIGSEGV, or the
+        bytes of whatever is mapped there next. `close` therefore leaves the unmap to the
+        last retainer."""
+        with self._users_lock:
+            if self._closing:
+                raise RuntimeError("the shared pool is closed")
+            self._users += 1
+        return _Retained(self)
+
+    def _unretain(self) -> None:
+        with self._users_lock:
+            self._users -= 1
+            last = self._closing and self._users == 0
+        if last:
+            self._release()
+
     def close(self) -> None:
-        """Release the fd and, once no tensor view of the pool is alive any more, the mapping.
+        """Release the fd and the mapping: now, or when the last copy that retained it ends.
 
         NOTE: views taken from `kv` keep the mapping (and the shared memory) alive until they
         are dropped; a client whose daemon is gone must drop them to give the memory back.
         """
+        with self._users_lock:
+            self._closing = True
+            busy = self._users > 0
+        if busy:
+            log.debug("shared pool closed while copies use it: unmapped after the last")
+            return
+        self._release()
+
+    def _release(self) -> None:
         self.unregister_cuda()
         self._kv = None
         if self._mmap is not None:
@@ -271,6 +319,37 @@ class SharedPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Retained:
+    """`SharedPool.retain()`'s context: exiting it lets a pending close unmap."""
+
+    __slots__ = ("pool", "_done")
+
+    def __init__(self, pool: SharedPool) -> None:
+        self.pool, self._done = pool, False
+
+    def __enter__(self) -> SharedPool:
+        return self.pool
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self._done = True
+            self.pool._unretain()
+
+
+def _seal_future_writes(fd: int, name: str) -> bool:
+    """F_SEAL_FUTURE_WRITE on `fd` (after the creator's writable mapping exists); False, with an
+    error logged, on a kernel without it (before 5.1): then a client of the pool's uid could
+    reopen its fd writable."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        log.error("shared pool %r: this kernel cannot seal it against writes (%s): a client of "
+                  "the daemon's uid could write it through /proc/self/fd; run the daemon under "
+                  "its own uid (daemon.allow_uids) or on Linux 5.1+", name, exc)
+        return False
+    return True
 
 
 def _view(mm: mmap.mmap, geometry: PoolGeometry) -> torch.Tensor:

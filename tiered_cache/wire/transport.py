@@ -111,12 +111,13 @@ class _Stalled(Exception):
 
 
 class _Connection:
-    __slots__ = ("sock", "peer", "thread", "frames")
+    __slots__ = ("sock", "peer", "thread", "frames", "goodbye")
 
     def __init__(self, sock: socket.socket, peer: Peer) -> None:
         self.sock, self.peer = sock, peer
         self.frames = FrameBuffer()
         self.thread: threading.Thread | None = None
+        self.goodbye: DaemonError | None = None     # set by close_client: sent as it ends
 
 
 class Server:
@@ -125,16 +126,19 @@ class Server:
     `handler(peer, request)` runs on the connection's thread and returns the reply's fields (a
     mapping, None for none) or a `Response`; it reports a failure by raising a `DaemonError`
     (sent as that error type). Any other exception is logged and answered with `internal`.
-    `disconnected(peer)` runs on the connection's thread as it ends.
+    `connected(peer)` runs on the connection's thread before anything is read from it,
+    `disconnected(peer)` as it ends; `close_client` ends a connection from any thread.
     """
 
     def __init__(self, protocol: Protocol, handler: Handler, config: ServerConfig, *,
+                 connected: Callable[[Peer], None] | None = None,
                  disconnected: Callable[[Peer], None] | None = None) -> None:
         self.protocol = protocol
         self.handler = handler
         self.config = config
         self.allow = config.allow if config.allow is not None else Allowlist.own()
         self.path = os.path.abspath(config.socket_path)
+        self._connected = connected
         self._disconnected = disconnected
         self._lock = threading.Lock()
         self._conns: dict[int, _Connection] = {}
@@ -162,10 +166,16 @@ class Server:
             self._state = "starting"
         try:
             self._bind()
-        except BaseException:
+        except BaseException as exc:
             self._release_path()
             with self._lock:
                 self._state = "stopped"
+            if isinstance(exc, OSError):
+                # NOTE: the path is the operator's (daemon.socket): a directory that cannot be
+                # made, a read-only filesystem, a path taken by something else
+                raise ConfigError("daemon.socket", f"cannot listen at {self.path}: "
+                                  f"{exc.strerror or exc}"
+                                  + (f" ({exc.filename})" if exc.filename else "")) from exc
             raise
         self._wake = socket.socketpair()
         self._accept_thread = threading.Thread(target=self._accept_loop, daemon=True,
@@ -243,13 +253,31 @@ class Server:
             out["errors"] = dict(self._errors)
             out["failures"] = dict(self._failures)
         for k in ("connections_total", "requests", "replies", "io_errors", "accept_errors",
-                  "callback_errors"):
+                  "callback_errors", "closed_by_daemon"):
             out.setdefault(k, 0)
         return out
 
     def peers(self) -> list[Peer]:
         with self._lock:
             return [c.peer for c in self._conns.values()]
+
+    def close_client(self, client: int, goodbye: DaemonError | None = None) -> bool:
+        """End connection `client` (its slot of max_clients is free once its thread is done):
+        the request being served, if any, is answered first; then `goodbye` is sent, as a
+        connection-level error (request id 0), and the socket closed. False if it is gone.
+
+        NOTE: only the read side is shut down here, which wakes the connection's thread in its
+        recv; that thread alone writes to the socket, so a reply and the goodbye never
+        interleave."""
+        with self._lock:
+            c = self._conns.get(client)
+            if c is None:
+                return False
+            c.goodbye = goodbye
+        with contextlib.suppress(OSError):
+            c.sock.shutdown(socket.SHUT_RD)
+        self._count("closed_by_daemon")
+        return True
 
     # socket path ------------------------------------------------------------------------------
 
@@ -385,6 +413,8 @@ class Server:
     def _serve(self, c: _Connection) -> None:
         sock, peer = c.sock, c.peer
         try:
+            if self._connected is not None:
+                self._connected(peer)
             self._send(sock, self.protocol.encode_reply(0, WELCOME_OP, {
                 "client": peer.client, "pid": peer.pid, "uid": peer.uid, "gid": peer.gid,
                 "max_frame": self.protocol.max_frame}))
@@ -397,7 +427,7 @@ class Server:
                         sock.sendall(self.protocol.encode_error(0, exc))
                     return
                 except TruncatedFrame:
-                    if not self._stopping:
+                    if not self._stopping and c.goodbye is None:
                         self._reject("truncated", f"{peer}: closed in the middle of a frame")
                     return
                 except _Stalled:
@@ -423,6 +453,9 @@ class Server:
             self._fail("connection")
             log.exception("%s: the connection thread failed", peer)
         finally:
+            if c.goodbye is not None:
+                with contextlib.suppress(OSError):
+                    sock.sendall(self.protocol.encode_error(0, c.goodbye))
             with self._lock:
                 self._conns.pop(peer.client, None)
             sock.close()
