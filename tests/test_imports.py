@@ -293,6 +293,7 @@ def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow
 def test_importing_the_config_and_the_policies_loads_no_numba():
     """numba (llvmlite) loads when a duel is built, not at import: vLLM's CPU platform scans
     every loaded module's objects at worker start and fails on llvmlite's ffi object, and the

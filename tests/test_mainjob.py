@@ -192,6 +192,7 @@ def _needed_for_70b() -> int:
         "cpu"))
 
 
+@pytest.mark.slow
 def test_70b_config_is_refused_before_anything_is_allocated(tmp_path):
     psutil = pytest.importorskip("psutil")
     if psutil.virtual_memory().available > _needed_for_70b():
@@ -223,6 +224,7 @@ def _run_without(modules: tuple[str, ...], *argv: str) -> subprocess.CompletedPr
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_without_matplotlib_run_names_the_extra_or_does_without(tmp_path):
     # NOTE: only matplotlib: transformers (the hf extra, which `run` needs) brings tqdm itself.
     base = ["run", "--config", CONFIG, "--quick", "--modes", "tiered", "--out-dir",
@@ -237,6 +239,7 @@ def test_without_matplotlib_run_names_the_extra_or_does_without(tmp_path):
     assert json.loads((tmp_path / "mainjob.json").read_text())["modes"]["tiered"]["requests"]
 
 
+@pytest.mark.slow
 def test_without_transformers_run_names_the_hf_extra(tmp_path):
     proc = _run_without(("transformers",), "run", "--quick", "--out-dir", str(tmp_path))
     assert proc.returncode == 1
