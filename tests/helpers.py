@@ -14,6 +14,9 @@ import numpy as np
 import torch
 import xxhash
 
+# NOTE: the fixture is tests/conftest.py's (autouse for every test); the name stays importable
+# from here for modules written before that: importing it changes nothing.
+from tests.conftest import invariants_after_test  # noqa: F401
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.invariants import check_invariants
