@@ -42,7 +42,7 @@ class BlockTable:
     """Per-block metadata. Read-only outside core/index.py."""
 
     # NOTE: the columns are made from `_FIELDS` / `_PER_TIER` below; these annotations name
-    # them for the type checker (tests/test_state.py checks that the two agree).
+    # them for the type checker (tests/core/test_state.py checks that the two agree).
     parent: array[int]
     depth: array[int]
     ref_count: array[int]

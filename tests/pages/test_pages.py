@@ -25,7 +25,7 @@ from tiered_cache.pages.disk import PageDisk
 from tiered_cache.pages.identity import PageFormat, PageKeyError, PageSizeError
 from tiered_cache.pages.store import PageStore, part_name
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PB = 6000                   # not a multiple of 4096: slots carry padding
 FMT = PageFormat("test", "tiny", "float16", "page_first", 16, PB, "L2/H2/D64")
 PART = part_name(0, 2, False)
@@ -310,7 +310,7 @@ def test_a_page_put_by_one_process_is_found_by_another(redis_server):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from tests.test_pages import page, remote_store, PART
+        from tests.pages.test_pages import page, remote_store, PART
         st = remote_store({redis_server.url!r}, tenant_salt={salt!r})
         print(st.put(["x0", "x1"], [page("x0"), page("x1")], PART))
         st.close()

@@ -198,7 +198,7 @@ def test_benchmark_quick_runs(tmp_path):
     import sys
     from pathlib import Path
 
-    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "replay.py"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks" / "replay.py"
     out = tmp_path / "replay.json"
     proc = subprocess.run([sys.executable, str(bench), "--quick", "--requests", "300",
                            "--speed-repeats", "1", "--out", str(out)],

@@ -18,7 +18,7 @@ import pytest
 
 from tests import redis_servers as rs
 from tests.oracles import wait_for
-from tests.test_pages import FMT, PART, PB, page
+from tests.pages.test_pages import FMT, PART, PB, page
 from tiered_cache.daemon.pages import PageSpaceError
 from tiered_cache.daemon.process import NodeProcess
 from tiered_cache.pages import identity
@@ -31,7 +31,7 @@ from tiered_cache.wire.ops import make_protocol
 
 pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]     # tests/
 CLIENT = str(HERE / "page_client.py")
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from tiered_cache.errors import install_hint
 from tiered_cache.tools import cli, mainjob  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "default.yaml")
 CONFIG_70B = ROOT / "configs" / "llama-70b-h200.yaml"
 

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest
 
 pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from tiered_cache.wire.ops import make_protocol
 pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
 rs.require()
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]     # tests/
 ENGINE = str(HERE / "daemon_engine.py")
 BLOCK = 4
 

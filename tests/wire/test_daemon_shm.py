@@ -27,7 +27,7 @@ PROTO = make_protocol()
 GEOMETRY = PoolGeometry(8, 2, 16, 2, 64, "bfloat16")         # 16 KiB slots: 4 pages each
 POOL_ARG = "8,2,16,2,64,bfloat16"
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 """The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 

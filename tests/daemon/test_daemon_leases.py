@@ -26,7 +26,7 @@ from tiered_cache.wire.errors import LeaseExpiredError
 
 PROTO = make_protocol()
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 """The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 

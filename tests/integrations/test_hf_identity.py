@@ -5,8 +5,8 @@ refused before a draft token is fed.
 
 Random-weight Llama models of SmolLM2-135M's attention shape (9 query heads, 3 KV heads,
 head_dim 64, hidden 576), 2 layers and a 512-token vocabulary so that they build in a blink;
-nothing is downloaded (tests/test_integration_real_model.py runs the real model when its
-package is installed).
+nothing is downloaded (tests/integrations/test_integration_real_model.py runs the real model
+when its package is installed).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from tiered_cache.errors import ConfigError, TransferError
 pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
 rs.require()
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BS = 4
 
 
@@ -121,7 +121,7 @@ def test_write_off_only_reads(redis_flushed):
 _WRITER = """
 import sys
 sys.path.insert(0, {repo!r})
-from tests.test_remote_tier import publish, prompt, remote_cache
+from tests.tiers.test_remote_tier import publish, prompt, remote_cache
 cache = remote_cache({url!r})
 publish(cache, [prompt(i) for i in range(10)])
 print(cache.stats()["tiers"]["remote"]["put_blocks"], flush=True)

@@ -25,7 +25,7 @@ from tests.helpers import (
 from tiered_cache.core.invariants import check_invariants
 from tiered_cache.errors import ConfigError, TierUnavailableError, TransferError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BS = 4
 
 

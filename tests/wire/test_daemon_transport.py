@@ -39,7 +39,7 @@ from tiered_cache.wire.transport import Server, ServerConfig
 PROTO = make_protocol()
 NOT_US = 12345 if os.getuid() != 12345 else 12346
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 """The repository: child processes run there, so that `tests.daemon_reference` imports."""
 
 

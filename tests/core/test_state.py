@@ -30,7 +30,7 @@ from tiered_cache.hashing import BlockHasher, Namespace
 from tiered_cache.policies.lru import LRUPolicy
 
 BS = 4
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 OWNER = {
     # sequences

@@ -26,7 +26,7 @@ from tiered_cache.costs import TierCost  # noqa: E402
 from tiered_cache.stores import KeyedStore, StoreAuthError, StoreUnavailableError  # noqa: E402
 from tiered_cache.stores.redis import RedisStore  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROOT_A, ROOT_B = b"A" * 16, b"B" * 16
 
 

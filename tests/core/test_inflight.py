@@ -347,7 +347,7 @@ def test_benchmark_quick(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "inflight.json"
     proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "inflight.py"), "--quick",
                            "--out", str(out)], cwd=tmp_path, capture_output=True, text=True,

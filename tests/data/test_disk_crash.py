@@ -4,7 +4,7 @@ the kernel refuse writes. After each, a new DiskPool on the same path must recov
 whose write() returned, with identical bytes, and never list a record that does not read back
 exactly.
 
-Writers are real processes, each a fresh interpreter (`python -m tests.test_disk_crash MODE`):
+Writers are real processes, each a fresh interpreter (`python -m tests.data.test_disk_crash MODE`):
 the files, syscalls and SIGKILL are real; the only thing a crash-point child changes is that its
 k-th `os.pwritev` writes a prefix of its bytes with `os.pwrite` and then SIGKILLs its own
 process.
@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_disk import make_record, open_pool
+from tests.data.test_disk import make_record, open_pool
 from tiered_cache import records
 from tiered_cache.data.disk import DiskFullError, DiskPool
 from tiered_cache.records import CorruptRecord
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PB = 128 * 1024 + 512          # payload areas of 132 KiB: torn writes land inside payloads
 SLOTS = 48
 
@@ -93,7 +93,7 @@ def test_sigkill_at_random_moments_recovers_every_completed_write(tmp_path):
     in_flight_kills = 0
     for gen in range(8):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.test_disk_crash", "writer", str(tmp_path), str(gen),
+            [sys.executable, "-m", "tests.data.test_disk_crash", "writer", str(tmp_path), str(gen),
              str(rng.randrange(2**32))],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         first = proc.stdout.readline()
@@ -144,7 +144,7 @@ def test_sigkill_at_random_moments_recovers_every_completed_write(tmp_path):
 
 # ----------------------------------------------------------------------------- crash points
 def in_child(*args: str) -> tuple[int, str]:
-    """Run `python -m tests.test_disk_crash *args` (one of CHILDREN) in a fresh interpreter;
+    """Run `python -m tests.data.test_disk_crash *args` (one of CHILDREN) in a fresh interpreter;
     returns its exit code (-9: SIGKILLed) and what it reported on stdout (its JSON result, or
     a traceback).
 
@@ -152,7 +152,7 @@ def in_child(*args: str) -> tuple[int, str]:
     has mapped, which a long pytest run (torch, pools) can push past what the kernel's
     overcommit check allows (ENOMEM in CI). subprocess starts children with vfork/exec."""
     # A hang guard, not a timing assertion.
-    proc = subprocess.run([sys.executable, "-m", "tests.test_disk_crash", *args], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "tests.data.test_disk_crash", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     return proc.returncode, proc.stdout + proc.stderr
 

@@ -293,6 +293,6 @@ def test_an_interrupt_at_any_line_of_a_promotion_wait_is_what_the_caller_sees(fn
 def test_the_real_sigint_child_reports_no_condition_errors():
     """The NOTE of tests/test_interrupts.py's real-SIGINT child about CPython's
     `threading.Condition` no longer applies to the cache's own waits."""
-    src = open(os.path.join(os.path.dirname(__file__), os.pardir, "tiered_cache", "core",
+    src = open(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "tiered_cache", "core",
                             "readiness.py")).read()
     assert "threading.Condition" not in src

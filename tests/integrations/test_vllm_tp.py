@@ -27,7 +27,7 @@ from tiered_cache.integrations.vllm.settings import ConnectorSettings
 pytestmark = pytest.mark.slow     # a process per rank (tests/vllm_rank.py)
 
 TP = 2
-RANK = str(Path(__file__).parent / "vllm_rank.py")
+RANK = str(Path(__file__).resolve().parents[1] / "vllm_rank.py")
 
 
 class Ranks:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("gpu", "host", "disk", "remote", "daemon")
 """The built-in kinds (checked against the registry below)."""
 

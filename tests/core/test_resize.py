@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from tests.test_migrator import BS, cache_prompt, check_data, fill, settle, stress_api
-from tests.test_migrator import make as make_on
+from tests.migrator.test_migrator import BS, cache_prompt, check_data, fill, settle, stress_api
+from tests.migrator.test_migrator import make as make_on
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.eviction import Space
