@@ -153,11 +153,6 @@ class NodeService:
                                     "expired, reconnect)")
         return state
 
-    def connect_local(self, peer: Peer) -> None:
-        """An in-process client (the vLLM connector's LocalTransport) starts as an accepted
-        connection does: with a lease until its hello."""
-        self._connected(peer)
-
     def _connected(self, peer: Peer) -> None:
         self.leases.grant(peer.client, self.config.daemon.hello_timeout_s)
 
@@ -278,9 +273,15 @@ class NodeService:
         with self._lock:
             known = peer.client in self._clients
         if not known:
-            # the connection's lease until hello becomes a full one (LeaseExpiredError if it
-            # already ended: the connection is being closed), and only then the client's state
-            self.leases.renew(peer.client)
+            # the connection's lease until hello becomes a full one (LeaseExpiredError if its
+            # socket closed meanwhile), and only then the client's state. A peer the transport
+            # did not admit (an in-process client: integrations/vllm/link.LocalTransport), or
+            # whose hello deadline has just been reaped (its connection is closing, and is
+            # reaped again when it has), gets a lease of its own.
+            if peer.client in self.leases:
+                self.leases.renew(peer.client)
+            else:
+                self.leases.grant(peer.client)
             with self._lock:
                 known = peer.client in self._clients
                 if not known:

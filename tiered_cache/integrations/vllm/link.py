@@ -90,7 +90,6 @@ class LocalTransport:
         self.peer = Peer(next(_LOCAL_IDS), os.getpid(), os.geteuid(), os.getegid())
         self.name = name
         self._open = True
-        service.connect_local(self.peer)      # a lease until its hello, as a socket's accept
 
     def request(self, op: str, fields: Mapping[str, Any], timeout_s: float
                 ) -> tuple[dict[str, Any], list[int]]:
