@@ -278,6 +278,7 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch):
                    ("tiered_cache.config", False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["tiered_cache.core", "tiered_cache.core.index"])
 def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
     code = (f"import sys; import {what}; "
@@ -293,6 +294,7 @@ def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow
 def test_importing_the_config_and_the_policies_loads_no_numba():
     """numba (llvmlite) loads when a duel is built, not at import: vLLM's CPU platform scans
     every loaded module's objects at worker start and fails on llvmlite's ffi object, and the

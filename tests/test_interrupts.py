@@ -44,7 +44,7 @@ through their line events, the modes taking turns (`test_interrupt_sampled_lines
 
 A real SIGINT test runs open/write/close in a subprocess while the parent sends SIGINT
 repeatedly; the child checks invariants and data and reports through its exit code.
-tests/test_atomic.py tests the mechanisms themselves (sections, the lock, waits).
+tests/core/test_atomic.py tests the mechanisms themselves (sections, the lock, waits).
 """
 
 from __future__ import annotations
@@ -69,7 +69,6 @@ import tiered_cache
 from tests.helpers import (
     check_invariants,
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     pattern_kv,
     tokens,
@@ -86,6 +85,8 @@ from tests.oracles import (
 from tiered_cache.core import atomic
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.errors import CacheBrokenError
+
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
 PKG_DIRS = tuple(os.path.dirname(m.__file__) + os.sep
                  for m in (tiered_cache, tiered_cache.migrator, tiered_cache.kernels))
@@ -370,7 +371,7 @@ def _verify(w: World, inj: Injector, interrupted: bool, op: str) -> None:
         # NOTE: the one window left (core/atomic.py): an exception no handler can defer,
         # landing in a section's own exit lines, leaves the thread counted inside a section
         # (the state is whole); signals then act at once after DEFER_LIMIT_S
-        # (tests/test_atomic.py).
+        # (tests/core/test_atomic.py).
         assert inj.mode == "async" and "core/atomic.py" in inj.where \
             and "__exit__" in inj.where, f"{where}: the thread is still counted in a section"
         atomic._local.depth = 0

@@ -9,7 +9,6 @@ import threading
 import time
 
 from tests.helpers import (
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     tokens,
     write_pattern_all,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiered_cache.core.blocks import NO_BLOCK
+from tiered_cache.core.tree import BlockTree
 from tiered_cache.jit import LazyModule
 
 chains = LazyModule("tiered_cache.core.chains")
@@ -39,8 +40,12 @@ _NO_IDS = np.zeros(0, dtype=np.intp)
 _NO_FLAGS = np.zeros(0, dtype=bool)
 
 
-class BatchOps:
+class BatchOps(BlockTree):
+    """NOTE: a `BlockTree` (so a `BlockState`) only so that the type checker sees the fields
+    and the tree's methods it uses; `BlockIndex` is the one class that is instantiated."""
+
     __slots__ = ()
+
     def _survey(self, blocks: list[int], ids: np.ndarray | None = None) -> Survey:
         """`ids`: `blocks` as an intp array, if the caller has one."""
         if not blocks:              # a miss: nothing to look at (no numpy call at all)

@@ -41,6 +41,27 @@ def _cells(typecode: str, n: int, fill: int = 0) -> array:
 class BlockTable:
     """Per-block metadata. Read-only outside core/index.py."""
 
+    # NOTE: the columns are made from `_FIELDS` / `_PER_TIER` below; these annotations name
+    # them for the type checker (tests/core/test_state.py checks that the two agree).
+    parent: array[int]
+    depth: array[int]
+    ref_count: array[int]
+    in_flight: array[int]
+    hits: array[int]
+    last_access: array[int]
+    inserted_at: array[int]
+    root_id: array[int]
+    published: array[int]
+    stored: array[int]
+    candidate: array[int]
+    busy_tiers: array[int]
+    first_child: array[int]
+    next_sibling: array[int]
+    prev_sibling: array[int]
+    gen: array[int]
+    slots: list[array[int]]
+    resident_children: list[array[int]]
+
     # per block: (attribute, array typecode, initial value)
     _FIELDS: tuple[tuple[str, str, int], ...] = (
         ("parent", "i", NO_BLOCK),      # published parent's id; NO_BLOCK at depth 0 or private

@@ -286,10 +286,10 @@ class Space:
                 cand[v] &= clear
                 demote = below is not None and later[0][v] == NO_SLOT and (
                     not later[1:] or all(s[v] == NO_SLOT for s in later))
-                if demote and admit and not self.admits(below, v):
+                if demote and admit and below is not None and not self.admits(below, v):
                     self.turned_away(v)             # dropped below, remembered for next time
                     demote = False
-                if demote:
+                if demote and below is not None:
                     if not reserve:
                         k = min(need() - len(freed), self.room(below))
                         try:
@@ -324,7 +324,7 @@ class Space:
             if freed:
                 freed.sort()
                 tier.allocator.free(freed)
-            if reserve:
+            if reserve and below is not None:
                 ix.tiers[below].allocator.free(reserve)
 
     def _drop_leaves(self, v: int, t: int, need: Callable[[], int], freed: list[int],

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -150,7 +150,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                  verify_tokens: bool = True, share_inflight: bool = False,
                  write_through: bool = False,
                  run: Run | None = None, on_pressure: Callable[[], None] | None = None,
-                 high_watermark: float = 1.0, keyed: list[TierSpec] = (),
+                 high_watermark: float = 1.0, keyed: Iterable[TierSpec] = (),
                  worth: Worth | None = None) -> None:
         if not specs:
             raise ValueError("a cache needs at least a device tier")
@@ -406,10 +406,12 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         return matched
 
     def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
-               t0: float, shared: list[int] = (), ids: np.ndarray | None = None) -> Sequence:
+               t0: float, shared: list[int] | None = None,
+               ids: np.ndarray | None = None) -> Sequence:
         """The rest of `open`: pin the matched blocks, make them resident in tier 0, take the
         `shared` blocks other sequences are computing after them (core/inflight.py), give the
         sequence slots for the tokens after those. `ids`: `matched` as an intp array."""
+        shared = shared if shared is not None else []
         tokens = seq.token_ids
         survey = self._survey(matched, ids)
         promote_ids = survey.promote
@@ -636,7 +638,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         held) if a promotion it would read failed."""
         for seq in seqs:
             self.check_open(seq)
-        rows, held = [], []
+        rows: list[tuple[list[int], list[int], int]] = []
+        held: list[int] = []
         dev, slots, pend, flight = self._slots[DEVICE], self._slots, self.pending, self._flight
         fastest = self.blocks.fastest_tier
         for seq in seqs:
@@ -785,10 +788,10 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             # path's collision handling, not overwrite its own first block's entry. (The
             # index maps keys to ids, never to None: disjoint keys are keys not found.)
             if prefix.keys().isdisjoint(run) and len(set(run)) == len(run):
-                fresh = self._publish_chain(seq, first, ready, parent)
+                chain = self._publish_chain(seq, first, ready, parent)
                 if self.inflight.registry or seq.waiters:
-                    fresh += self.inflight.published(seq, first, ready)
-                return fresh
+                    chain += self.inflight.published(seq, first, ready)
+                return chain
         fresh: list[int] = []
         rows: list[int] = []            # published blocks, and their positions: token ids
         at: list[int] = []              # are stored in one vectorised copy at the end
@@ -878,7 +881,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         if i == len(matched):
             return
         tier = fastest(matched[i])
-        if not self.worth(tier, len(matched) - i, i):
+        if self.worth is not None and not self.worth(tier, len(matched) - i, i):
             del matched[i:]
             del seq.keys[i:]
             self.counters.skipped_loads += 1

@@ -44,8 +44,9 @@ class Persistence:
         t = ix.blocks
         root = ix.root_keys[t.root_id[b]]
         p = t.parent[b]
-        return RecordMeta(t.key[b], t.key[p] if p != NO_BLOCK else root, root, t.depth[b],
-                          t.token_bytes(b), t.hits[b])
+        key, parent = t.key[b], t.key[p] if p != NO_BLOCK else root
+        assert key is not None and parent is not None       # (b is published, so is p)
+        return RecordMeta(key, parent, root, t.depth[b], t.token_bytes(b), t.hits[b])
 
     def lend(self, tier: int, n: int) -> list[int]:
         """n free slots of `tier` (evicting by policy as needed) that the caller fills outside

@@ -1,11 +1,12 @@
 """`ArrayDuel`: the duel of `duel.Duel`, its shadow state in arrays and its loops compiled.
 
 The same sample, the same mini caches, the same paired scores and the same choices, use by use
-(tests/test_duel_arrays.py replays random streams through both and compares every score, entry
-and resident set); `duel.Duel` with `shadow` stays the readable reference. The adaptive policy
-uses this one: a use of a sampled key costs the reference 3-9 us of interpreted heap and dict
-work under the control-plane lock, here a share of one compiled call per chain (a request's
-sampled keys are handed in together: `hits`, `publish_keys`, `publish_walk`).
+(tests/policies/test_duel_arrays.py replays random streams through both and compares every
+score, entry and resident set); `duel.Duel` with `shadow` stays the readable reference. The
+adaptive policy uses this one: a use of a sampled key costs the reference 3-9 us of
+interpreted heap and dict work under the control-plane lock, here a share of one compiled call
+per chain (a request's sampled keys are handed in together: `hits`, `publish_keys`,
+`publish_walk`).
 
 State (see duel_kernels for the layout): per sampled key a row of an int64 table (its
 history entry, its place in the history's order, its resident value and child count in each
