@@ -19,6 +19,7 @@ sweeps, so `make test-fast` (`-m "not slow"`) is the quick loop and `make test` 
 from __future__ import annotations
 
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -27,6 +28,17 @@ import pytest
 HERE = Path(__file__).resolve().parent
 OWN_VENVS = (HERE / "vllm", HERE / "sglang_hicache")
 """Run in venvs of their own (`make test-vllm`, `make test-sglang`) with their own conftest."""
+
+
+def pytest_configure(config):
+    """SIGINT as an interactive run has it.
+
+    NOTE: a shell starts a background job with SIGINT ignored (`make test &`, a CI runner's
+    script), and Python then installs no KeyboardInterrupt handler; the interrupt tests deliver
+    what SIGINT's handler does (tests/test_interrupts.py, core/test_atomic.py), so without one
+    they fail, and a sweep waiting on an interrupt hangs."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
