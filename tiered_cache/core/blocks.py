@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 
@@ -254,7 +255,7 @@ class BlockTable:
             cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
             v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
             self._views[(name, tier)] = v
-        return v
+        return cast(np.ndarray, v)
 
     def tier_views(self, name: str) -> tuple[np.ndarray, ...]:
         """`view(name, t)` of every tier, as a tuple (cached, like the views)."""
@@ -262,7 +263,7 @@ class BlockTable:
         if v is None:
             v = tuple(self.view(name, t) for t in range(self.num_tiers))
             self._views[(name, "tiers")] = v
-        return v
+        return cast(tuple[np.ndarray, ...], v)
 
     def describe(self, b: int) -> str:
         state = "published" if self.key[b] is not None else "private"

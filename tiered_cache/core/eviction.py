@@ -394,7 +394,8 @@ class Space:
                     break
                 if last >= 0:           # the whole run left: go on above its last block
                     missing = need() - len(freed)
-                    v, dropped = last, True
+                    v = last
+                    dropped = True
                     continue
             if prev_sib[v] == NO_BLOCK and next_sib[v] == NO_BLOCK:
                 first_child[p] = NO_BLOCK           # an only child (_unlink's common case)
@@ -421,9 +422,9 @@ class Space:
                 break
             tier.evictions += 1
             v = p
-        dropped = len(rows) - start
-        ix.counters.dropped_blocks += dropped
-        table.num_live -= dropped
+        n_dropped = len(rows) - start
+        ix.counters.dropped_blocks += n_dropped
+        table.num_live -= n_dropped
         return nxt
 
     def _leave_run(self, v: int, t: int, missing: int, freed: list[int]) -> int:

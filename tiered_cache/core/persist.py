@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -165,7 +166,7 @@ class Persistence:
                     ix._refresh(parents[0])
                 return [b if b == NO_BLOCK else rows[b] for b in taken]
             set_slot = ix.copies.set_slot
-            order = range(n - 1, -1, -1)        # (chain order: parents first)
+            order: Sequence[int] = range(n - 1, -1, -1)    # (chain order: parents first)
             if any(made[i][1].depth < made[i - 1][1].depth for i in range(1, n)):
                 order = sorted(range(n), key=lambda i: -made[i][1].depth)
             for i in order:
