@@ -20,8 +20,9 @@ interleaved (baseline, ours, baseline, ours, ...) so that the machine's drift hi
     count (demotion down to the low watermark; polled every 2 ms). Then the prompts are
     reopened and the clock runs until ``cache.wait(seq, L - 1)`` has returned for every one
     of them (layer-wise promotion; on a GPU ``wait`` only orders the caller's stream, so the
-    clock stops after a device synchronize). Two prompt lengths are run: short prompts give many block chains, long ones
-    few (the migrator demotes leaves of chains, so the chain count shapes its batches).
+    clock stops after a device synchronize). Two prompt lengths are run: short prompts give
+    many block chains, long ones few (the migrator demotes leaves of chains, so the chain
+    count shapes its batches).
 
 Baseline: on a GPU, ``copy_`` between a device buffer and a pinned host buffer (one
 ``cudaMemcpyAsync``) in the same direction; on a CPU, ``copy_`` between two host buffers (the
