@@ -39,7 +39,8 @@ GROUPS = [
     ("package", ("tiered_cache",)),             # exact: the package itself (lazy)
     ("leaves", ("tiered_cache.errors", "tiered_cache.hashing", "tiered_cache.locking",
                 "tiered_cache.records", "tiered_cache.sizing", "tiered_cache.sections",
-                "tiered_cache.costs", "tiered_cache.admission", "tiered_cache.jit")),
+                "tiered_cache.costs", "tiered_cache.admission", "tiered_cache.jit",
+                "tiered_cache.xxh3")),
     ("core", ("tiered_cache.core",)),
     ("policies", ("tiered_cache.policies",)),
     ("kernels", ("tiered_cache.kernels",)),

@@ -67,18 +67,19 @@ def test_verify(seed, tiers):
     if rng.random() < 0.5:
         want[rng.randrange(len(want))] += 1
     rid = t.root_id[int(ids[0])] if rng.random() < 0.8 else 9
+    first = NO_BLOCK if rng.random() < 0.7 else t.parent[int(ids[0])]
     for tokens in (True, False):
         good = n
         for i, b in enumerate(ids.tolist()):
-            ok = (t.parent[b] == NO_BLOCK and t.root_id[b] == rid) if i == 0 else \
-                t.parent[b] == int(ids[i - 1])
+            ok = (t.parent[b] == first and (first != NO_BLOCK or t.root_id[b] == rid)) \
+                if i == 0 else t.parent[b] == int(ids[i - 1])
             if tokens:
                 ok = ok and list(t.tokens[b]) == list(want[i * BS:(i + 1) * BS])
             if not ok:
                 good = i
                 break
         assert chains.verify(ids, t.view("parent"), t.view("root_id"), t.tokens, want, BS,
-                             rid, tokens) == good
+                             first, rid, tokens) == good
 
 
 @pytest.mark.parametrize("seed,tiers", CASES)

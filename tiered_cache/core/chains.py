@@ -28,15 +28,16 @@ NO_BLOCK = -1
 
 
 @njit(cache=True)
-def verify(ids, parent, root_id, stored, want, bs, rid, tokens):
+def verify(ids, parent, root_id, stored, want, bs, first_parent, rid, tokens):
     """How many leading blocks of a key match are the request's: each one's parent is the
-    block before it (the first a root of id `rid`) and, with `tokens`, its stored token ids
-    (`stored[b]`) equal the request's (`want`, int32, at least n * bs)."""
+    block before it (the first one's `first_parent`; NO_BLOCK: it is a root, of id `rid`)
+    and, with `tokens`, its stored token ids (`stored[b]`) equal the request's (`want`,
+    int32, at least n * bs)."""
     n = len(ids)
     for i in range(n):
         b = ids[i]
         if i == 0:
-            if parent[b] != NO_BLOCK or root_id[b] != rid:
+            if parent[b] != first_parent or (first_parent == NO_BLOCK and root_id[b] != rid):
                 return 0
         elif parent[b] != ids[i - 1]:
             return i
@@ -239,7 +240,7 @@ def warm_up(num_tiers: int) -> None:
     slots = tuple(t.view("slots", i) for i in range(num_tiers))
     kids = tuple(t.view("resident_children", i) for i in range(num_tiers))
     want = np.zeros(4, np.int32)
-    verify(ids, t.view("parent"), t.view("root_id"), t.tokens, want, 2, 0, True)
+    verify(ids, t.view("parent"), t.view("root_id"), t.tokens, want, 2, -1, 0, True)
     copies = np.zeros((num_tiers, 2), np.bool_)
     refs = np.zeros(2, np.int32)
     survey(ids, t.view("ref_count"), slots, copies, refs)

@@ -384,25 +384,33 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             return [dev[b] for b in seq.blocks]
 
     def _match_after(self, seq: Sequence, prev: int, key: bytes) -> list[int]:
-        """`_match` continuing the chain after block `prev` (NO_BLOCK: at the root)."""
+        """`_match` continuing the chain after block `prev` (NO_BLOCK: at the root): the key
+        match, then its verification (parents, the root at depth 0, token ids) in one pass."""
         bs = self.block_size
-        nbytes = bs * 4
         tokens = seq.token_ids
-        data = tokens.tobytes()
-        h, get = self.hasher.hash_fn, self.prefix.get
-        t = self.blocks
+        get = self.prefix.get
         matched: list[int] = []
-        for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
-            key = h(key + data[off:off + nbytes])
-            b = get(key)
-            if b is None or t.parent[b] != prev or (
-                    prev == NO_BLOCK and t.root_id[b] != seq.root_id):
-                break
-            if self.verify_tokens and t.tokens[b].tobytes() != data[off:off + nbytes]:
-                break
-            seq.keys.append(key)
-            matched.append(b)
-            prev = b
+        keys: list[bytes] = []
+        if self.hasher.compiled:
+            self._match_keys(key, tokens, 0, get, keys.append, matched.append)
+        else:
+            nbytes = bs * 4
+            data = tokens.tobytes()
+            h = self.hasher.hash_fn
+            for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
+                key = h(key + data[off:off + nbytes])
+                b = get(key)
+                if b is None:
+                    break
+                keys.append(key)
+                matched.append(b)
+        if matched:
+            t = self.blocks
+            good = chains.verify(np.asarray(matched, dtype=np.intp), t.view("parent"),
+                                 t.view("root_id"), t.tokens, tokens, bs, prev, seq.root_id,
+                                 self.verify_tokens)
+            del matched[good:]
+            seq.keys += keys[:good]
         return matched
 
     def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
@@ -720,30 +728,59 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         """
         tokens = seq.token_ids
         bs = self.block_size
-        nbytes = bs * 4
-        data = tokens.tobytes()
-        key = seq.root
         matched: list[int] = []
         keys = seq.keys
-        h, get = self.hasher.hash_fn, self.prefix.get
+        get = self.prefix.get
         add_key, add_block = keys.append, matched.append
-        for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
-            key = h(key + data[off:off + nbytes])
-            b = get(key)
-            if b is None:
-                break
-            add_key(key)
-            add_block(b)
+        if self.hasher.compiled:
+            self._match_keys(seq.root, tokens, 0, get, add_key, add_block)
+        else:
+            nbytes = bs * 4
+            data = tokens.tobytes()
+            key, h = seq.root, self.hasher.hash_fn
+            for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
+                key = h(key + data[off:off + nbytes])
+                b = get(key)
+                if b is None:
+                    break
+                add_key(key)
+                add_block(b)
         if not matched:
             return matched, _NO_IDS
         ids = np.asarray(matched, dtype=np.intp)
-        good = self._verified(seq, matched, ids, data)
+        good = self._verified(seq, matched, ids)
         if good < len(matched):
             seq.collided = True     # counted only if the open succeeds
             del matched[good:]
             del keys[good:]
             ids = ids[:good]
         return matched, ids
+
+    _CHUNK = 64
+    """Keys computed per compiled call of a match's first round; each later round doubles."""
+
+    def _match_keys(self, key: bytes, tokens: np.ndarray, first: int, get, add_key,
+                    add_block, want=None) -> None:
+        """The key match of blocks first.. of `tokens` after the block keyed `key`, with the
+        keys computed in compiled rounds (`BlockHasher.keys`): 64 blocks, then twice as many
+        each round, so a long prompt with a short cached prefix hashes about as far as its
+        match reaches (at most twice, and 64 blocks). `want(b)`: a further test a found block
+        must pass (False: the match ends there)."""
+        keys_of = self.hasher.keys
+        n = len(tokens) // self.block_size
+        chunk = self._CHUNK
+        while first < n:
+            m = min(chunk, n - first)
+            kb = keys_of(key, tokens, first, m)
+            for off in range(0, 16 * m, 16):
+                key = kb[off:off + 16]
+                b = get(key)
+                if b is None or (want is not None and not want(b)):
+                    return
+                add_key(key)
+                add_block(b)
+            first += m
+            chunk *= 2
 
     def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray,
                   data: bytes | None = None) -> int:
@@ -753,7 +790,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         ids as int32 bytes (at least the matched blocks'), if the caller has them."""
         t = self.blocks
         return chains.verify(ids, t.view("parent"), t.view("root_id"), t.tokens,
-                             seq.token_ids, self.block_size, seq.root_id, self.verify_tokens)
+                             seq.token_ids, self.block_size, NO_BLOCK, seq.root_id,
+                             self.verify_tokens)
 
     # ------------------------------------------------------------------ publishing
     def _publish_ready(self, seq: Sequence) -> list[int]:
@@ -777,6 +815,9 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             # for it to publish them (it publishes ours then), or stay private if it never does.
             return []
         key, add_key = (keys[-1] if keys else seq.root), keys.append
+        if len(keys) < ready and self.hasher.compiled:
+            kb = self.hasher.keys(key, tokens, len(keys), ready - len(keys))
+            keys += [kb[off:off + 16] for off in range(0, len(kb), 16)]
         for off in range(len(keys) * nbytes, ready * nbytes, nbytes):
             key = h(key + data[off:off + nbytes])
             add_key(key)
