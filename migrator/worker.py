@@ -109,7 +109,12 @@ class Migrator:
     def copy_down(self, blocks: list[int]) -> None:
         if len(self.index.tiers) < 2:
             return
-        plan = moves.plan_copy_down(self.index, blocks, DEVICE, DEVICE + 1)
+        try:
+            plan = moves.plan_copy_down(self.index, blocks, DEVICE, DEVICE + 1)
+        except CapacityError:
+            # NOTE: as in the migrator-less path (`copy_down` below): the write has committed;
+            # no room below (copies under way hold it) skips the extra copy, never an error.
+            return
         if plan:
             self._submit(_Job(1, next(self._order), "write_through", plan))
 
