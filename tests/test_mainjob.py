@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tiered_cache.errors import install_hint  # noqa: E402
 from tiered_cache.tools import cli, mainjob  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -226,7 +227,7 @@ def test_without_matplotlib_run_names_the_extra_or_does_without(tmp_path):
     proc = _run_without(("matplotlib",), *base)
     assert proc.returncode == 1
     assert proc.stderr == ("tiered-cache run: error: the plot needs matplotlib, which is not "
-                           "installed: pip install 'tiered-cache[tools]', or pass --no-plot\n")
+                           f"installed: {install_hint('tools')}, or pass --no-plot\n")
     assert not (tmp_path / "mainjob.json").exists()
     proc = _run_without(("matplotlib",), *base, "--no-plot", "--no-progress")
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -237,4 +238,4 @@ def test_without_transformers_run_names_the_hf_extra(tmp_path):
     proc = _run_without(("transformers",), "run", "--quick", "--out-dir", str(tmp_path))
     assert proc.returncode == 1
     assert proc.stderr == ("tiered-cache run: error: the model needs transformers, which is not "
-                           "installed: pip install 'tiered-cache[hf]'\n")
+                           f"installed: {install_hint('hf')}\n")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from tiered_cache.errors import install_hint
 from tiered_cache.tools import cli
 from tiered_cache.tools.replay import (
     MODEL_70B,
@@ -331,7 +332,7 @@ def test_sweep_without_the_tools_extra_names_it_or_does_without(tiny_path, tmp_p
     proc = _cli_without(("matplotlib", "tqdm"), *base)
     assert proc.returncode == 1 and proc.stdout == ""
     assert proc.stderr == ("tiered-cache replay: error: the plot needs matplotlib, which is not "
-                           "installed: pip install 'tiered-cache[tools]', or pass --no-plot\n")
+                           f"installed: {install_hint('tools')}, or pass --no-plot\n")
     proc = _cli_without(("matplotlib", "tqdm"), *base, "--no-plot")
     assert proc.returncode == 1
     assert "the progress bar needs tqdm" in proc.stderr and "--no-progress" in proc.stderr
