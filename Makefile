@@ -5,7 +5,8 @@ STAMP := $(VENV)/.installed
 CONFIG ?= configs/default.yaml
 export TRITON_INTERPRET ?= $(if $(shell command -v nvidia-smi 2>/dev/null),0,1)
 
-.PHONY: run run-vllm test test-vllm vllm-venv test-sglang bench lint install wheel-check clean
+.PHONY: run run-vllm test test-fast test-vllm vllm-venv test-sglang bench lint typecheck install \
+	wheel-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,8 +27,17 @@ run: $(STAMP)
 	$(VENV)/bin/tiered-cache run --config $(CONFIG)
 	$(VENV)/bin/tiered-cache run-shared --config $(CONFIG)
 
+# Every test, on $(JOBS) pytest-xdist workers (JOBS=1: one process). Tests that start servers use
+# free ports and their own temp dirs, so workers never share one.
+JOBS ?= 2
+XDIST = $(if $(filter 1,$(JOBS)),,-n $(JOBS))
+
 test: $(STAMP)
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest $(XDIST)
+
+# The quick loop: everything not marked `slow` (no subprocess, server, compile, SIGKILL or sweep).
+test-fast: $(STAMP)
+	$(VENV)/bin/pytest $(XDIST) -m "not slow"
 
 # The vLLM connector against the real engine: vLLM's CPU build in its own venv (about 6 minutes
 # and 3.4 GB the first time). Its CUDA torchvision/torchaudio/torchcodec break `import vllm` on a
@@ -87,6 +97,10 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# mypy over the control plane and the public API (the files are listed in pyproject.toml).
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 # A wheel built from the repo, installed in a clean venv, must import the mapped subpackages,
 # and its tools must run without the `tools` extra (no matplotlib, no tqdm) where they can. It

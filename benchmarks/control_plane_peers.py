@@ -358,9 +358,26 @@ def memory_child(side_name: str, n_blocks: int, policy: str) -> dict:
 # ---------------------------------------------------------------------------- orchestration
 
 
+STUBS = ROOT / "tests" / "sglang_hicache" / "stubs"
+
+
+def child_env(python: str) -> dict:
+    """A child's environment: no PYTHONPATH of ours, but SGLang's torchvision stand-in
+    (tests/sglang_hicache/stubs) where the interpreter has sglang but no torchvision, as in
+    `.venv-sglang` (`make test-sglang`: the sglang wheel over the CPU torch)."""
+    env = dict(os.environ, PYTHONHASHSEED="0")      # vLLM's non-crypto NONE_HASH seed
+    env.pop("PYTHONPATH", None)
+    probe = subprocess.run([python, "-c", "import importlib.util as u; print(u.find_spec("
+                            "'sglang') is not None and u.find_spec('torchvision') is None)"],
+                           capture_output=True, text=True, env=env, timeout=600)
+    if probe.stdout.strip() == "True":
+        env["PYTHONPATH"] = str(STUBS)
+    return env
+
+
 def importable(python: str, module: str) -> tuple[bool, str]:
     proc = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, env=child_env(python))
     if proc.returncode == 0:
         return True, ""
     tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
@@ -368,8 +385,7 @@ def importable(python: str, module: str) -> tuple[bool, str]:
 
 
 def child(python: str, root: str, args: list[str]) -> list[dict]:
-    env = dict(os.environ, PYTHONHASHSEED="0")      # vLLM's non-crypto NONE_HASH seed
-    env.pop("PYTHONPATH", None)
+    env = child_env(python)
     # NOTE: the peers' interpreters may carry another numba, which would recompile (and
     # overwrite) the policies' on-disk kernel cache each time the interpreters alternate.
     import hashlib

@@ -164,6 +164,9 @@ def main() -> int:
     ap.add_argument("--experts", action="store_true",
                     help="also adaptive pinned to each of its experts")
     ap.add_argument("--two-tier", action="store_true", help="also 25%% device + 75%% host")
+    ap.add_argument("--policies", default=None,
+                    help="a comma list of the policies to evaluate (lru is always one; the "
+                         "'best single' target is then judged among these)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--speed-repeats", type=int, default=3)
     ap.add_argument("--speed-clock", choices=("wall", "cpu"), default="wall",
@@ -181,6 +184,12 @@ def main() -> int:
         caps = (300, 1000)
     families = [f for f in args.families.split(",") if f]
     policies = tuple(p for p in POLICIES if p not in OFFLINE or args.belady)
+    if args.policies:
+        wanted = {p.strip() for p in args.policies.split(",") if p.strip()}
+        unknown = wanted.difference(POLICIES)
+        if unknown:
+            raise SystemExit(f"--policies: unknown {sorted(unknown)}; known {sorted(POLICIES)}")
+        policies = tuple(p for p in policies if p in wanted or p == "lru")
     policies = ("lru", *[p for p in policies if p != "lru"])
     if args.experts:
         policies += tuple(PINNED)
@@ -243,7 +252,7 @@ def main() -> int:
     a = summary[ADAPTIVE]
     rivals = {p: summary[p]["geomean"] for p in POLICIES
               if p not in OFFLINE and p != ADAPTIVE and p in summary}
-    best_rival = max(rivals, key=rivals.get)
+    best_rival = max(rivals, key=rivals.get) if rivals else "lru"
     min_speed = min(r["x_lru"] for r in speed if r["policy"] == ADAPTIVE)
     meets = {
         "worst": a["worst"] >= TARGET_WORST,

@@ -11,10 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
 import xxhash
 
+# NOTE: the fixture is tests/conftest.py's (autouse for every test); the name stays importable
+# from here for modules written before that: importing it changes nothing.
+from tests.conftest import invariants_after_test  # noqa: F401
 from tiered_cache import TieredKVCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.core.invariants import check_invariants
@@ -309,21 +311,9 @@ def cached_prefix_blocks(cache: TieredKVCache, token_ids, salt=None) -> int:
     return n
 
 
-@pytest.fixture(autouse=True)
-def invariants_after_test(monkeypatch):
-    """Autouse where imported: every cache built by the test must satisfy the core invariants
-    when it ends (except one that refuses every call because a commit section was torn,
-    core/atomic.py: its state is not meant to be whole, and it serves nothing)."""
-    caches = track_caches(monkeypatch)
-    yield
-    for cache in caches:
-        if cache.index.broken is None:
-            check_invariants(cache)
-
-
 def track_caches(monkeypatch) -> list[TieredKVCache]:
-    """Record every TieredKVCache built while the test runs (for an invariant check at the
-    end of the test)."""
+    """Record every TieredKVCache built while the test runs (tests/conftest.py's
+    `invariants_after_test` checks each one when the test ends)."""
     made: list[TieredKVCache] = []
     init = TieredKVCache.__init__
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from tests.test_pages import FMT, PART, PB, page  # noqa: E402
+from tests.pages.test_pages import FMT, PART, PB, page  # noqa: E402
 from tiered_cache.pages.daemon import DaemonPages  # noqa: E402
 from tiered_cache.pages.store import PageStore  # noqa: E402
 

@@ -122,6 +122,7 @@ class RedisServer:
         self.extra = tuple(extra)
         self.cluster = cluster
         self.port = port or free_port(bus=cluster)
+        self._pick_port = port is None         # a port of our choosing may be re-picked
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="tc-redis-"))
         self.proc: subprocess.Popen | None = None
@@ -184,9 +185,20 @@ class RedisServer:
             # start cluster nodes once, so a stale file is always someone else's.
             with contextlib.suppress(FileNotFoundError):
                 (self.dir / f"nodes-{self.port}.conf").unlink()
-        self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        self.wait_ready()
+        for attempt in range(5):
+            self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            try:
+                self.wait_ready()
+                break
+            except RuntimeError as exc:
+                # NOTE: a free port can be taken between free_port() and the bind (another
+                # test process, an xdist worker): until a client knows this server's URL, a
+                # port we picked is picked again.
+                if not (self._pick_port and "in use" in str(exc) and attempt < 4):
+                    raise
+                self.port = free_port(bus=self.cluster)
+        self._pick_port = False                 # clients know the URL from now on
         return self
 
     def wait_ready(self) -> None:
@@ -200,7 +212,10 @@ class RedisServer:
                                    f"{self.proc.returncode}: {err}{self.log_tail()}")
             try:
                 with self.raw(socket_connect_timeout=0.5) as c:
-                    if c.ping():
+                    # NOTE: the server on this port must be ours, not another test's that
+                    # got the port first (same password): its pid says so.
+                    if c.ping() and (self.proc is None
+                                     or int(c.info("server")["process_id"]) == self.proc.pid):
                         return
             except redis.RedisError:
                 pass

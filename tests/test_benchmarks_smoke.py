@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "benchmarks"
 
@@ -29,6 +31,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow
 def test_migration_quick(tmp_path):
     data, stdout = run_bench("migration", tmp_path)
     assert "migration bandwidth vs one contiguous copy_" in stdout
@@ -54,6 +57,7 @@ def test_migration_quick(tmp_path):
         assert {"p50_s", "p99_s", "max_s"} <= set(run["lock_hold_demotion"])
 
 
+@pytest.mark.slow
 def test_compaction_quick(tmp_path):
     data, stdout = run_bench("compaction", tmp_path, "--check")
     assert "lock holds" in stdout
@@ -90,6 +94,7 @@ def test_common_helpers(tmp_path, capsys):
     assert json.loads(path.read_text()) == {"x": 1.0}
 
 
+@pytest.mark.slow
 def test_policy_eval_quick(tmp_path):
     data, stdout = run_bench("policy_eval", tmp_path)
     assert "ratio of token hit rate to LRU's" in stdout and "replay speed" in stdout
@@ -116,6 +121,7 @@ def test_policy_eval_quick(tmp_path):
         assert _positive(r["block_ops_per_s"]) and _positive(r["x_lru"])
 
 
+@pytest.mark.slow
 def test_daemon_remote_quick(tmp_path):
     import tests.redis_servers as rs
 
@@ -127,6 +133,7 @@ def test_daemon_remote_quick(tmp_path):
     assert "cold (from the store)" in out
 
 
+@pytest.mark.slow
 def test_vllm_connector_lookup_quick(tmp_path):
     """The lookup part needs no vLLM (its engine parts are skipped where vLLM is missing)."""
     data, stdout = run_bench("vllm_connector", tmp_path, "--parts", "lookup")
@@ -138,6 +145,7 @@ def test_vllm_connector_lookup_quick(tmp_path):
         assert r["target_ms"] in (1.0, 2.0)
 
 
+@pytest.mark.slow
 def test_control_plane_quick(tmp_path):
     data, stdout = run_bench("control_plane", tmp_path, "--sizes", "1000", "--sample", "4",
                              "--repeats", "1", "--clock", "cpu")
@@ -154,6 +162,7 @@ def test_control_plane_quick(tmp_path):
     assert _positive(row["bytes_per_block"]) and "rss_bytes_per_block" in row
 
 
+@pytest.mark.slow
 def test_control_plane_peers_says_when_a_peer_is_missing(tmp_path):
     """Where neither peer imports (this suite's venv), the peer benchmark measures nothing,
     says so, and still writes its JSON."""

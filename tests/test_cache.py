@@ -18,7 +18,6 @@ from tests.helpers import (
     gathered,
     in_index,
     indexed,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     keys_of,
     make_cache,
     make_config,

@@ -105,6 +105,7 @@ def test_to_dict_is_plain_and_block_size_resolved(monkeypatch):
     assert CacheConfig.from_dict(d) == cfg
 
 
+@pytest.mark.slow
 def test_import_does_not_pull_torch():
     code = ("import sys; import tiered_cache.config, tiered_cache.sizing, "
             "tiered_cache.tools.planner; "

@@ -259,6 +259,7 @@ def test_dashboard_is_well_formed():
         assert needed in titles, f"no panel about {needed!r}"
 
 
+@pytest.mark.slow
 def test_every_dashboard_metric_is_exported(live):
     dash = dashboard()
     names = referenced_names(dash)
@@ -272,6 +273,7 @@ def test_every_dashboard_metric_is_exported(live):
     assert not empty, f"exported but without a sample: {empty}"
 
 
+@pytest.mark.slow
 def test_dashboard_labels_exist(live):
     """A selector's matchers, and the labels a query groups by, are labels the daemon puts on
     those samples (`instance` and `job` come from Prometheus)."""
@@ -297,6 +299,7 @@ def test_dashboard_labels_exist(live):
     assert {s.labels["tenant"] for s in exp.samples["tiered_cache_used_blocks"]} == {TENANT}
 
 
+@pytest.mark.slow
 def test_exposition_values(live):
     """The numbers the panels show, for the state the fixture left: one client, a host tier of
     64 slots and a disk tier of 32, a rejected frame, an answered error, the daemon up."""
@@ -317,6 +320,7 @@ def test_exposition_values(live):
     assert any(s.labels["le"] == "+Inf" for s in buckets)
 
 
+@pytest.mark.slow
 def test_fetch_counts_queried_tokens(live):
     """The fixture's fetch looked up 16 tokens (4 whole blocks) and found none: the hit-ratio
     panel's denominator, tiered_cache_query_tokens_total, should count them."""
@@ -372,6 +376,7 @@ def documented_venv() -> str:
     return venv
 
 
+@pytest.mark.slow
 def test_systemd_unit():
     u = unit()
     assert set(u.sections()) >= {"Unit", "Service", "Install"}
@@ -435,6 +440,7 @@ def pyproject_extras() -> set[str]:
     return set(re.findall(r"^([A-Za-z0-9_-]+)\s*=", section, re.M))
 
 
+@pytest.mark.slow
 def test_dockerfile():
     steps = dockerfile()
     args = dict(a.split("=", 1) for a in instructions("ARG") if "=" in a)
@@ -484,6 +490,7 @@ def healthcheck_argv() -> list[str]:
     return json.loads(cmd)
 
 
+@pytest.mark.slow
 def test_dockerfile_healthcheck_runs_against_the_daemon(live):
     """The image's HEALTHCHECK command, pointed at the test daemon's port: exit 0."""
     argv = healthcheck_argv()
@@ -499,6 +506,7 @@ def test_dockerfile_healthcheck_runs_against_the_daemon(live):
 
 # -- (e) /health and the bind address -------------------------------------------------------
 
+@pytest.mark.slow
 def test_health(live):
     with urllib.request.urlopen(live.url("/health"), timeout=10) as r:
         assert r.status == 200
@@ -528,6 +536,7 @@ def _listeners(port: int) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_metrics_bind_loopback_by_default(live):
     if not os.path.exists("/proc/net/tcp"):
         pytest.skip("no /proc/net/tcp")
@@ -563,6 +572,7 @@ def non_loopback_ipv4() -> list[str]:
                    if a.family == socket.AF_INET and not a.address.startswith("127.")})
 
 
+@pytest.mark.slow
 def test_metrics_unreachable_from_other_addresses(live):
     addresses = non_loopback_ipv4()
     if not addresses:

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -10,6 +10,8 @@ import pytest
 
 import tiered_cache
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 
 @pytest.mark.parametrize("module", ["tiered_cache", "tiered_cache.cli"])
 def test_python_dash_m_runs_the_command(module):

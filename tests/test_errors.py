@@ -12,7 +12,6 @@ from tests.helpers import (
     check_invariants,
     config_dict,
     gathered,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     random_kv,
     snapshot,

@@ -18,7 +18,6 @@ import torch
 from tests.helpers import (
     check_invariants,
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     pattern_kv,
     tokens,

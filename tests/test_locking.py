@@ -44,6 +44,7 @@ def _lines_of_observe() -> int:
     return counter.n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", range(1, 12))
 def test_an_exception_at_any_line_of_observe_leaves_the_stats_usable(k):
     if k > _lines_of_observe():

@@ -9,9 +9,7 @@ import prometheus_client
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
-from tests.helpers import (  # noqa: F401 - invariants_after_test: autouse fixture
-    check_invariants,
-    invariants_after_test,
+from tests.helpers import (
     make_cache,
     tokens,
     write_random,

@@ -31,7 +31,6 @@ from tiered_cache.migrator import Compactor
 from tests.helpers import (
     check_invariants,
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     pattern_kv,
     pattern_value,

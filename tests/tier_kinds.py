@@ -10,7 +10,7 @@
 
 Nothing in cache.py, daemon/partition.py, core/ or migrator/ knows of them. `register()` adds
 them (the config accepts `tiers.memkv` / `tiers.handed` from then on), `unregister()` removes
-them; tests/test_tier_kind_contract.py uses both around each test.
+them; tests/tiers/test_tier_kind_contract.py uses both around each test.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One tensor-parallel rank of the vLLM connector's worker side in its own process (for
-tests/test_vllm_tp.py): a WorkerSide attached to a node service over its socket, the ranks
-joined in a gloo group (what vLLM's TP group is on CPU), driven step by step over a
+tests/integrations/test_vllm_tp.py): a WorkerSide attached to a node service over its socket,
+the ranks joined in a gloo group (what vLLM's TP group is on CPU), driven step by step over a
 multiprocessing connection.
 
     python tests/vllm_rank.py ADDRESS RANK TP SOCKET GLOO_STORE

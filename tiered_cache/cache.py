@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from tiered_cache.errors import (
 from tiered_cache.hashing import BlockHasher, HashFn, Namespace, as_token_array, xxh3_128
 from tiered_cache.tiers.base import ENGINE
 from tiered_cache.tiers.stack import build_stack
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("tiered_cache.cache")
 
@@ -113,8 +117,7 @@ class TieredKVCache:
         install()                       # defer SIGINT inside commit sections (main thread)
         if self.migrator or self.compactor:
             # Stop threads at interpreter exit even if the user never closes the cache.
-            ref = weakref.ref(self)
-            atexit.register(lambda: (c := ref()) is not None and c.shutdown())
+            atexit.register(_shutdown_if_alive, weakref.ref(self))
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> TieredKVCache:
@@ -572,7 +575,7 @@ class TieredKVCache:
             return (torch.float16, torch.bfloat16, torch.float32)
         return (dtype,)
 
-    def _q_expect(self):
+    def _q_expect(self) -> tuple[tuple[torch.dtype, ...], torch.device]:
         import torch
 
         dtypes = self._compute_dtypes()
@@ -628,6 +631,12 @@ class TieredKVCache:
 
     def open_sequences(self) -> list[Sequence]:
         return self.index.open_sequences()
+
+
+def _shutdown_if_alive(ref: weakref.ref[TieredKVCache]) -> None:
+    cache = ref()
+    if cache is not None:
+        cache.shutdown()
 
 
 def _check_landed(seq: Sequence, layer: int) -> None:

@@ -584,11 +584,15 @@ class CacheConfig(Section):
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in every tier: bytes_per_token * block_size (+ fp8 scales)."""
-        return self.model.bytes_per_token * self.block_size + self.model.block_scale_bytes
+        bs = self.block_size
+        assert isinstance(bs, int)          # ("auto" is resolved on construction)
+        return self.model.bytes_per_token * bs + self.model.block_scale_bytes
 
     @property
     def num_q_heads(self) -> int:
-        return self.model.num_q_heads
+        n = self.model.num_q_heads
+        assert n is not None                # (None means num_kv_heads, set on construction)
+        return n
 
     # -- loading --------------------------------------------------------------------------
 
@@ -632,7 +636,8 @@ class CacheConfig(Section):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = (value.to_dict() if isinstance(value, TiersConfig) else
-                           dataclasses.asdict(value) if dataclasses.is_dataclass(value) else
+                           dataclasses.asdict(value)
+                           if dataclasses.is_dataclass(value) and not isinstance(value, type) else
                            value)
         return out
 
@@ -703,14 +708,14 @@ def _scalar_error(node: yaml.Node, what: str, value: str) -> yaml.YAMLError:
         None, None, f"expected {what}, got {short_repr(value)}", node.start_mark)
 
 
-def _construct_bool(loader: _Loader, node: yaml.Node) -> bool:
+def _construct_bool(loader: _Loader, node: yaml.ScalarNode) -> bool:
     value = loader.construct_scalar(node)
     if not _BOOL_RE.match(value):
         raise _scalar_error(node, "true or false", value)
     return value.lower() == "true"
 
 
-def _construct_int(loader: _Loader, node: yaml.Node) -> int:
+def _construct_int(loader: _Loader, node: yaml.ScalarNode) -> int:
     value = loader.construct_scalar(node)
     if not _INT_RE.match(value):
         raise _scalar_error(node, "an integer", value)
@@ -724,7 +729,7 @@ def _construct_int(loader: _Loader, node: yaml.Node) -> int:
     return int(digits, 10)
 
 
-def _construct_float(loader: _Loader, node: yaml.Node) -> float:
+def _construct_float(loader: _Loader, node: yaml.ScalarNode) -> float:
     value = loader.construct_scalar(node)
     if _INT_RE.match(value) and not value.startswith("0x"):
         return float(value.replace("_", ""))  # `!!float 3`
@@ -736,6 +741,10 @@ def _construct_float(loader: _Loader, node: yaml.Node) -> float:
     if lowered == ".nan":
         return math.nan
     return float(value.replace("_", ""))
+
+
+def _construct_str(loader: _Loader, node: yaml.ScalarNode) -> str:
+    return loader.construct_yaml_str(node)
 
 
 def _construct_timestamp(loader: _Loader, node: yaml.Node) -> Any:
@@ -757,7 +766,7 @@ _Loader.add_constructor(_INT_TAG, _construct_int)
 _Loader.add_constructor(_FLOAT_TAG, _construct_float)
 _Loader.add_constructor(_TIMESTAMP_TAG, _construct_timestamp)
 # `<<` outside a key (`name: <<`) is just the string; as a key, flatten_mapping has removed it.
-_Loader.add_constructor(_MERGE_TAG, yaml.SafeLoader.construct_yaml_str)
+_Loader.add_constructor(_MERGE_TAG, _construct_str)
 
 
 def load_yaml(text: str | bytes, source: str = "<string>") -> Any:

@@ -72,6 +72,7 @@ class BlockHasher:
         self._record_ids: dict[bytes, int] = {}       # root key -> id of its records
         self._ambiguous: set[int] = set()             # record ids no preimage may adopt
         self._next_id = itertools.count()
+        self._compiled: bool | None = None            # `keys` in one compiled call?
 
     def root(self, salt: str | bytes | None = None,
              adapter_id: str | None = None) -> tuple[bytes, int]:
@@ -148,6 +149,31 @@ class BlockHasher:
     def key(self, parent: bytes, token_bytes: bytes) -> bytes:
         return self.hash_fn(parent + token_bytes)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether `keys` computes chained keys in one compiled call (the default hash
+        function and a block size tiered_cache.xxh3 handles) rather than block by block."""
+        fast = self._compiled
+        if fast is None:
+            fast = self.hash_fn is xxh3_128 and _xxh3().fits(self.namespace.block_size)
+            if fast:
+                _xxh3().warm_up()
+            self._compiled = fast
+        return fast
+
+    def keys(self, parent: bytes, tokens: np.ndarray, first: int, n: int) -> bytes:
+        """The chained keys of blocks first .. first + n - 1 of `tokens` (int32) after the
+        block keyed `parent`, joined (16 bytes each): what `key` gives block by block."""
+        bs = self.namespace.block_size
+        if self.compiled:
+            return _xxh3().chain_keys(parent, tokens[first * bs:(first + n) * bs], bs, n)
+        data = tokens[first * bs:(first + n) * bs].tobytes()
+        h, key, nbytes, out = self.hash_fn, parent, 4 * bs, []
+        for off in range(0, n * nbytes, nbytes):
+            key = h(key + data[off:off + nbytes])
+            out.append(key)
+        return b"".join(out)
+
     def chain(self, parent: bytes, tokens: np.ndarray) -> list[bytes]:
         """Chained keys of the whole blocks of `tokens` (token ids) after the block keyed
         `parent` (a root key: from the start of a prompt)."""
@@ -158,6 +184,14 @@ class BlockHasher:
             key = h(key + data[off:off + nbytes])
             keys.append(key)
         return keys
+
+
+def _xxh3():
+    """tiered_cache.xxh3 (numba), imported on first use: `import tiered_cache.hashing` stays
+    light."""
+    from tiered_cache import xxh3
+
+    return xxh3
 
 
 def tenant_salt(tenant: bytes, salt: str | bytes | None) -> str | bytes | None:
@@ -177,8 +211,12 @@ def _out_of_range(arr: np.ndarray) -> bool:
     NOTE: one reduction where possible (the check runs on every open): a signed type of at
     most 4 bytes cannot exceed MAX_TOKEN_ID (2**31 - 1), and an unsigned one cannot be < 0."""
     if arr.dtype.kind == "i":
-        return bool(arr.min() < 0) or (arr.dtype.itemsize > 4 and bool(arr.max() > MAX_TOKEN_ID))
-    return arr.dtype.itemsize >= 4 and bool(arr.max() > MAX_TOKEN_ID)
+        return bool(_min(arr) < 0) or (arr.dtype.itemsize > 4 and bool(_max(arr) > MAX_TOKEN_ID))
+    return arr.dtype.itemsize >= 4 and bool(_max(arr) > MAX_TOKEN_ID)
+
+
+# (the ufuncs' reductions directly: `arr.min()` adds a Python wrapper, a third of its cost)
+_min, _max = np.minimum.reduce, np.maximum.reduce
 
 
 def as_token_array(token_ids: object, what: str = "token_ids") -> np.ndarray:

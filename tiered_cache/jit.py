@@ -60,6 +60,27 @@ def _count(fn: Callable, exc: RuntimeError) -> None:
                     fn.__module__, exc)
 
 
+class LazyModule:
+    """A module imported at the first use of one of its names; then its names are this
+    object's own attributes (a plain attribute lookup, no `__getattr__`, from then on).
+
+    NOTE: the modules of compiled kernels are imported this way by the control plane and the
+    policies, so `import tiered_cache.core` (or the config, which imports the policies) loads
+    neither numba nor llvmlite: vLLM's CPU platform scans every loaded module's objects when a
+    worker starts (vllm.triton_utils.dispatcher) and fails on llvmlite's ffi object, and the
+    vLLM connector imports the config before vLLM's workers start."""
+
+    def __init__(self, name: str) -> None:
+        self.__dict__["_lazy_name"] = name
+
+    def __getattr__(self, attr: str) -> Any:
+        import importlib
+
+        module = importlib.import_module(self.__dict__["_lazy_name"])
+        self.__dict__.update(vars(module))
+        return getattr(module, attr)
+
+
 def uncached() -> list[str]:
     """The functions compiled without the disk cache in this process, by qualified name."""
     with _lock:

@@ -14,7 +14,7 @@ import difflib
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 from tiered_cache import sizing
 from tiered_cache.errors import ConfigError
@@ -23,7 +23,7 @@ from tiered_cache.sizing import MAX_NUM_BLOCKS, short_repr
 # value checks: each raises ConfigError(path, "expected ..., got <repr>")
 
 
-def is_int(v: Any) -> bool:
+def is_int(v: Any) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 

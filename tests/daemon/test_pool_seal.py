@@ -17,7 +17,11 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from tiered_cache.daemon.process import NodeProcess
+
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
 TESTS = Path(__file__).resolve().parents[1]
 ENGINE = str(TESTS / "daemon_engine.py")

@@ -12,6 +12,8 @@ import pytest
 
 from tiered_cache.daemon.process import NodeProcess
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 MODEL = ("model: {name: tiny, num_layers: 2, num_kv_heads: 2, head_dim: 8, num_q_heads: 4, "
          "dtype: float32}\nblock_size: 4\n")
 

@@ -19,7 +19,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tiered_cache.daemon.process import NodeProcess
+
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
 
 LAYERS, HEADS, DIM, BS, STAGING = 8, 8, 128, 16, 192      # 1 MiB blocks
 

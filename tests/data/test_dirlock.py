@@ -41,6 +41,7 @@ def test_a_second_lock_in_this_process(tmp_path):
         first.release()
 
 
+@pytest.mark.slow
 def test_a_lock_held_by_another_process(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""\

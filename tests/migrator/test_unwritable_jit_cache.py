@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow     # processes, servers or sweeps (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""

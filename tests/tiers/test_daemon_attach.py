@@ -73,6 +73,7 @@ def test_without_required_the_engine_serves_alone_and_attaches_later(tmp_path):
         cache.shutdown()
 
 
+@pytest.mark.slow
 def test_a_required_daemon_that_is_there_attaches(node):
     cache = TieredKVCache(CacheConfig.from_dict(engine_config(node.socket_path, required=True)))
     try:
@@ -81,6 +82,7 @@ def test_a_required_daemon_that_is_there_attaches(node):
         cache.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key, change", [
     ("model.num_layers", {"num_layers": 3}),
     ("model.num_kv_heads", {"num_kv_heads": 4}),

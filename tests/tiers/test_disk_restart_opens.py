@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from tests.helpers import (
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     write_pattern_all,
 )

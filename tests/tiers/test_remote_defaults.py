@@ -25,7 +25,6 @@ import pytest
 import tests.redis_servers as rs
 from tests.helpers import (
     check_pattern,
-    invariants_after_test,  # noqa: F401 - autouse fixture: invariants hold after each test
     make_cache,
     write_pattern_all,
 )
@@ -35,18 +34,6 @@ rs.require()
 pytestmark = pytest.mark.slow          # real redis-server processes
 REPO = Path(__file__).resolve().parents[2]
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def server():
-    with rs.RedisServer() as srv:
-        yield srv
-
-
-@pytest.fixture
-def flushed(server):
-    server.raw().flushall()
-    return server
 
 
 def cache_on(url: str, **remote):
@@ -93,8 +80,8 @@ cache.shutdown()
 """
 
 
-def test_a_second_process_finds_what_the_first_computed_without_any_eviction(flushed):
-    a = cache_on(flushed.url)
+def test_a_second_process_finds_what_the_first_computed_without_any_eviction(redis_flushed):
+    a = cache_on(redis_flushed.url)
     assert a.config.tiers.remote.write == "on_compute"
     ps = [prompt(i) for i in range(4)]
     for p in ps:
@@ -104,8 +91,8 @@ def test_a_second_process_finds_what_the_first_computed_without_any_eviction(flu
     assert s["evictions"] == 0 if "evictions" in s else True
     assert s["tiers"]["host"]["used_blocks"] == 0, "nothing was evicted to host"
     assert s["tiers"]["remote"]["put_blocks"] == 4 * 3
-    out = subprocess.run([sys.executable, "-c", _READER.format(repo=str(REPO), url=flushed.url,
-                                                              n=len(ps))],
+    out = subprocess.run([sys.executable, "-c", _READER.format(
+                              repo=str(REPO), url=redis_flushed.url, n=len(ps))],
                          capture_output=True, text=True, cwd=REPO, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.splitlines()[-1])
@@ -113,8 +100,8 @@ def test_a_second_process_finds_what_the_first_computed_without_any_eviction(flu
     a.shutdown()
 
 
-def test_write_on_host_still_puts_only_what_reaches_host(flushed):
-    a = cache_on(flushed.url, write="on_host")
+def test_write_on_host_still_puts_only_what_reaches_host(redis_flushed):
+    a = cache_on(redis_flushed.url, write="on_host")
     serve(a, prompt(0))
     settle(a)
     assert a.stats()["tiers"]["remote"]["put_blocks"] == 0
@@ -127,10 +114,10 @@ def _workers_ready(store) -> tuple[int, int]:
     return len(runner._threads), len(pool._available_connections) + len(pool._in_use_connections)
 
 
-def test_lookup_workers_and_their_connections_are_up_before_the_first_lookup(flushed):
+def test_lookup_workers_and_their_connections_are_up_before_the_first_lookup(redis_flushed):
     """The first exists() after start must not pay for a worker thread and a connection inside
     its deadline (7.7 ms were seen on a loaded machine against a 5 ms deadline)."""
-    a = cache_on(flushed.url)
+    a = cache_on(redis_flushed.url)
     store = a.stores[0].store
     threads = store._runner._pool._max_workers
     deadline = time.monotonic() + 20
@@ -141,20 +128,20 @@ def test_lookup_workers_and_their_connections_are_up_before_the_first_lookup(flu
     a.shutdown()
 
 
-def test_a_record_that_fails_verification_is_deleted_and_the_next_open_recomputes_it(flushed):
-    a = cache_on(flushed.url)
+def test_a_record_that_fails_verification_is_deleted_and_the_next_open_recomputes_it(redis_flushed):
+    a = cache_on(redis_flushed.url)
     p = prompt(7)
     serve(a, p)
     settle(a)
     a.shutdown()
-    raw = flushed.raw()
+    raw = redis_flushed.raw()
     keys = sorted(raw.keys("tc:*"))
     assert len(keys) == 3
     for k in keys:                                  # one bit of every payload flipped
         v = bytearray(raw.get(k))
         v[-1] ^= 1
         raw.set(k, bytes(v))
-    b = cache_on(flushed.url)
+    b = cache_on(redis_flushed.url)
     assert serve(b, p) == {"failed": 1}            # found, loaded, failed verification
     assert raw.dbsize() == 0, "the corrupt records were deleted from the store"
     again = serve(b, p)                             # the documented recovery: open again
@@ -162,13 +149,13 @@ def test_a_record_that_fails_verification_is_deleted_and_the_next_open_recompute
     settle(b)
     assert raw.dbsize() == 3, "the recomputed blocks were written back"
     b.shutdown()
-    c = cache_on(flushed.url)
+    c = cache_on(redis_flushed.url)
     assert serve(c, p).get("remote", 0) == 3 * BS   # and are served, verified, from then on
     c.shutdown()
 
 
-def test_a_server_that_wants_a_password_names_the_key(flushed):
-    bare = flushed.url.replace(f":{rs.PASSWORD}@", "", 1)
+def test_a_server_that_wants_a_password_names_the_key(redis_flushed):
+    bare = redis_flushed.url.replace(f":{rs.PASSWORD}@", "", 1)
     assert rs.PASSWORD not in bare
     with pytest.raises(ConfigError) as exc:
         cache_on(bare)
@@ -177,18 +164,18 @@ def test_a_server_that_wants_a_password_names_the_key(flushed):
     assert "requires a password" in text and "HELLO" not in text
 
 
-def test_a_wrong_password_names_the_key(flushed, monkeypatch):
+def test_a_wrong_password_names_the_key(redis_flushed, monkeypatch):
     monkeypatch.setenv("TC_TEST_WRONG_PW", "not-the-password")
-    bare = flushed.url.replace(f":{rs.PASSWORD}@", "", 1)
+    bare = redis_flushed.url.replace(f":{rs.PASSWORD}@", "", 1)
     with pytest.raises(ConfigError) as exc:
         cache_on(bare, password_env="TC_TEST_WRONG_PW")
     assert exc.value.path == "tiers.remote.password_env"
     assert "refused" in str(exc.value) and "not-the-password" not in str(exc.value)
 
 
-def test_a_password_from_the_environment_is_used(flushed, monkeypatch):
+def test_a_password_from_the_environment_is_used(redis_flushed, monkeypatch):
     monkeypatch.setenv("TC_TEST_PW", rs.PASSWORD)
-    bare = flushed.url.replace(f":{rs.PASSWORD}@", "", 1)
+    bare = redis_flushed.url.replace(f":{rs.PASSWORD}@", "", 1)
     a = cache_on(bare, password_env="TC_TEST_PW")
     serve(a, prompt(1))
     settle(a)

@@ -157,7 +157,7 @@ def _torn(exc_type: type, exc: BaseException | None, section) -> None:
         if getattr(exc, "_tiered_cache_torn", False):
             return              # the same exception, leaving an enclosing section
         try:
-            exc._tiered_cache_torn = True
+            exc._tiered_cache_torn = True  # type: ignore[attr-defined]  # a mark on any exception
         except AttributeError:  # pragma: no cover - an exception type without a __dict__
             pass
     tb = exc.__traceback__ if exc is not None else None

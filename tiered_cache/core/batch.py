@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.core.blocks import NO_BLOCK
+from tiered_cache.core.tree import BlockTree
+from tiered_cache.jit import LazyModule
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 
 @dataclass
@@ -24,7 +29,7 @@ class Survey:
     """What an open of a matched chain needs to know before it changes anything."""
 
     ids: np.ndarray                 # the chain's block ids (intp)
-    copies: list[np.ndarray]        # per tier: has a copy there (before any promotion)
+    copies: np.ndarray | list       # row t: has a copy in tier t (before any promotion)
     unpinned: np.ndarray | None     # ref_count == 0 before the open (None: all of them)
     promote: list[int]              # blocks with no device copy
     pinning: int                    # unpinned blocks with a device copy (room they take)
@@ -35,8 +40,12 @@ _NO_IDS = np.zeros(0, dtype=np.intp)
 _NO_FLAGS = np.zeros(0, dtype=bool)
 
 
-class BatchOps:
+class BatchOps(BlockTree):
+    """NOTE: a `BlockTree` (so a `BlockState`) only so that the type checker sees the fields
+    and the tree's methods it uses; `BlockIndex` is the one class that is instantiated."""
+
     __slots__ = ()
+
     def _survey(self, blocks: list[int], ids: np.ndarray | None = None) -> Survey:
         """`ids`: `blocks` as an intp array, if the caller has one."""
         if not blocks:              # a miss: nothing to look at (no numpy call at all)
@@ -45,21 +54,13 @@ class BatchOps:
         if ids is None:
             ids = np.asarray(blocks, dtype=np.intp)
         n = len(ids)
-        copies = [t.view("slots", i)[ids] != NO_SLOT for i in range(len(self.tiers))]
-        refs = t.view("ref_count")[ids]
-        pinned = int(np.count_nonzero(refs))
-        # NOTE: no mask for a chain no other sequence pins (nearly always): each numpy call
-        # costs about a microsecond here, as much as the hashing of a few blocks.
+        copies = np.empty((len(self.tiers), n), dtype=bool)
+        refs = np.empty(n, dtype=np.int32)
+        pinned, on_dev, pinning = chains.survey(ids, t.view("ref_count"),
+                                                t.tier_views("slots"), copies, refs)
+        # NOTE: no mask for a chain no other sequence pins (nearly always).
         unpinned = None if pinned == 0 else refs == 0
-        on_dev = copies[0]
-        # NOTE: count_nonzero rather than .all()/.any() here and below: a numpy reduction
-        # costs several times a count on a chain of a few dozen blocks.
-        if np.count_nonzero(on_dev) == n:
-            promote: list[int] = []
-            pinning = n - pinned
-        else:
-            promote = ids[~on_dev].tolist()
-            pinning = int(np.count_nonzero(on_dev if unpinned is None else unpinned & on_dev))
+        promote: list[int] = [] if on_dev == n else ids[~copies[0]].tolist()
         return Survey(ids, copies, unpinned, promote, pinning, refs)
 
     def _busy_pinning(self, s: Survey) -> int:
@@ -75,15 +76,16 @@ class BatchOps:
         t, ids = self.blocks, s.ids
         if not len(ids):
             return
-        t.view("ref_count")[ids] = s.refs + 1       # (the chain holds each block once)
-        first = s.unpinned
-        self.tiers[0].pinned_blocks += s.pinning    # unpinned with a device copy, counted
-        for tier, has in zip(self.tiers[1:], s.copies[1:]):
-            tier.pinned_blocks += int(np.count_nonzero(has if first is None else has & first))
-        cand = t.view("candidate")[ids]
-        if np.count_nonzero(cand):
-            was = cand != 0
-            for b in ids[was if first is None else first & was].tolist():
+        tiers = self.tiers
+        counts = np.zeros(len(tiers), dtype=np.int64)
+        refresh = np.empty(len(ids), dtype=np.intp)
+        m = chains.pin(ids, s.refs, t.view("ref_count"), t.view("candidate"), s.copies,
+                       counts, refresh)
+        tiers[0].pinned_blocks += s.pinning         # unpinned with a device copy, counted
+        for tier in tiers[1:]:
+            tier.pinned_blocks += int(counts[tier.index])
+        if m:
+            for b in refresh[:m].tolist():
                 self._refresh(b)
 
     def _unpin_survey(self, s: Survey) -> None:
@@ -97,27 +99,27 @@ class BatchOps:
             return []
         return self._unpin_ids(np.asarray(blocks, dtype=np.intp)).tolist()
 
-    def _unpin_ids(self, ids: np.ndarray) -> np.ndarray:
-        """`_unpin_all` of an id array (each id once); returns the ids unpinned now."""
+    def _unpin_ids(self, ids: np.ndarray, rev: bool = False) -> np.ndarray:
+        """`_unpin_all` of an id array (each id once; taken from the last when `rev`); returns
+        the ids unpinned now, in that order."""
         t = self.blocks
-        ref = t.view("ref_count")
-        left = ref[ids] - 1
-        ref[ids] = left
-        still = np.count_nonzero(left)
-        if still == len(left):
-            return _NO_IDS
-        zero = ids if still == 0 else ids[left == 0]
+        tiers = self.tiers
+        n = len(ids)
+        counts = np.zeros(len(tiers), dtype=np.int64)
+        zero = np.empty(n, dtype=np.intp)
+        refresh = np.empty(n, dtype=np.intp)
         # Unpinning can only make a block a candidate, and only of a tier where it has a
-        # copy and no child with one: find those, and let _refresh decide.
-        maybe = None
-        for tier in self.tiers:
-            has = t.view("slots", tier.index)[zero] != NO_SLOT
-            tier.pinned_blocks -= int(np.count_nonzero(has))
-            leaf = has & (t.view("resident_children", tier.index)[zero] == 0)
-            maybe = leaf if maybe is None else maybe | leaf
-        for b in zero[maybe].tolist():
-            self._refresh(b)
-        return zero
+        # copy and no child with one: the kernel finds those, and _refresh decides.
+        z, r = chains.unpin(ids, rev, t.view("ref_count"), t.tier_views("slots"),
+                            t.tier_views("resident_children"), counts, zero, refresh)
+        if not z:
+            return _NO_IDS
+        for tier in tiers:
+            tier.pinned_blocks -= int(counts[tier.index])
+        if r:
+            for b in refresh[:r].tolist():
+                self._refresh(b)
+        return zero[:z]
 
     def _touch(self, s: Survey, clock: int) -> list[int]:
         """A request reused the chain: hits, last use, and every policy holding a copy hears
@@ -128,17 +130,14 @@ class BatchOps:
         if not len(ids):
             return served
         t = self.blocks
-        t.view("hits")[ids] += 1
-        t.view("last_access")[ids] = clock
+        counts = np.zeros(len(tiers), dtype=np.int64)
+        chains.touch(ids, t.view("hits"), t.view("last_access"), clock, s.copies, counts)
         served[0] = len(ids) - len(s.promote)
-        if len(tiers) > 1:
-            unserved = ~s.copies[0]
-            for tier, has in zip(tiers[1:], s.copies[1:]):
-                served[tier.index] = int(np.count_nonzero(has & unserved))
-                unserved &= ~has
+        for tier in tiers[1:]:
+            served[tier.index] = int(counts[tier.index])
         if s.promote:
             # promoted blocks now have a (landing) device copy too
-            s.copies[0] = np.ones(len(ids), dtype=bool)
+            s.copies[0] = True
         cand = None
         for tier, has in zip(tiers, s.copies):
             # NOTE: every tier holding a copy hears of the reuse, candidate or not (the block

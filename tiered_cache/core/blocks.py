@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
+from typing import cast
 
 import numpy as np
 
@@ -40,6 +41,27 @@ def _cells(typecode: str, n: int, fill: int = 0) -> array:
 
 class BlockTable:
     """Per-block metadata. Read-only outside core/index.py."""
+
+    # NOTE: the columns are made from `_FIELDS` / `_PER_TIER` below; these annotations name
+    # them for the type checker (tests/core/test_state.py checks that the two agree).
+    parent: array[int]
+    depth: array[int]
+    ref_count: array[int]
+    in_flight: array[int]
+    hits: array[int]
+    last_access: array[int]
+    inserted_at: array[int]
+    root_id: array[int]
+    published: array[int]
+    stored: array[int]
+    candidate: array[int]
+    busy_tiers: array[int]
+    first_child: array[int]
+    next_sibling: array[int]
+    prev_sibling: array[int]
+    gen: array[int]
+    slots: list[array[int]]
+    resident_children: list[array[int]]
 
     # per block: (attribute, array typecode, initial value)
     _FIELDS: tuple[tuple[str, str, int], ...] = (
@@ -71,7 +93,7 @@ class BlockTable:
         self.capacity = 0
         self.num_live = 0
         self._free: list[int] = []
-        self._views: dict[tuple[str, int | None], np.ndarray] = {}
+        self._views: dict[tuple[str, int | str | None], np.ndarray | tuple] = {}
         for name, code, fill in self._FIELDS:
             setattr(self, name, _cells(code, 0, fill))
         for name, code, fill in self._PER_TIER:
@@ -152,6 +174,9 @@ class BlockTable:
             return
         # NOTE: an array cannot be resized while a numpy view exports its buffer.
         self._views.clear()
+        if self.capacity == 0:
+            self._first(capacity)
+            return
         for name, code, fill in self._FIELDS:
             getattr(self, name).extend(_cells(code, extra, fill))
         for name, code, fill in self._PER_TIER:
@@ -162,6 +187,23 @@ class BlockTable:
             [self.tokens, np.zeros((extra, self.block_size), dtype=np.int32)])
         # Lowest ids are handed out first (pop from the end).
         self._free.extend(range(capacity - 1, self.capacity - 1, -1))
+        self.capacity = capacity
+
+    def _first(self, capacity: int) -> None:
+        """`grow` of an empty table: every column made at its size in one allocation.
+
+        NOTE: no temporary of the table's size is made and freed (as extending would): glibc
+        serves large blocks with mmap and, once one is freed, raises the size it mmaps above to
+        that block's size, so a freed temporary of a column's size would make every later
+        allocation below it (the prefix dict's tables as it grows) come from the heap, whose
+        freed holes are never given back: ~60 resident bytes per cached block here."""
+        for name, code, fill in self._FIELDS:
+            setattr(self, name, _cells(code, capacity, fill))
+        for name, code, fill in self._PER_TIER:
+            setattr(self, name, [_cells(code, capacity, fill) for _ in range(self.num_tiers)])
+        self.key = [None] * capacity
+        self.tokens = np.zeros((capacity, self.block_size), dtype=np.int32)
+        self._free = list(range(capacity - 1, -1, -1))      # lowest ids first (pop: the end)
         self.capacity = capacity
 
     # ------------------------------------------------------------------ reads
@@ -213,7 +255,15 @@ class BlockTable:
             cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
             v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
             self._views[(name, tier)] = v
-        return v
+        return cast(np.ndarray, v)
+
+    def tier_views(self, name: str) -> tuple[np.ndarray, ...]:
+        """`view(name, t)` of every tier, as a tuple (cached, like the views)."""
+        v = self._views.get((name, "tiers"))
+        if v is None:
+            v = tuple(self.view(name, t) for t in range(self.num_tiers))
+            self._views[(name, "tiers")] = v
+        return cast(tuple[np.ndarray, ...], v)
 
     def describe(self, b: int) -> str:
         state = "published" if self.key[b] is not None else "private"

@@ -16,12 +16,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.core.wakeup import Wakeup
 from tiered_cache.errors import CapacityError, TransferError
+from tiered_cache.jit import LazyModule
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 if TYPE_CHECKING:
     from tiered_cache.core.index import BlockIndex
@@ -280,10 +286,10 @@ class Space:
                 cand[v] &= clear
                 demote = below is not None and later[0][v] == NO_SLOT and (
                     not later[1:] or all(s[v] == NO_SLOT for s in later))
-                if demote and admit and not self.admits(below, v):
+                if demote and admit and below is not None and not self.admits(below, v):
                     self.turned_away(v)             # dropped below, remembered for next time
                     demote = False
-                if demote:
+                if demote and below is not None:
                     if not reserve:
                         k = min(need() - len(freed), self.room(below))
                         try:
@@ -318,7 +324,7 @@ class Space:
             if freed:
                 freed.sort()
                 tier.allocator.free(freed)
-            if reserve:
+            if reserve and below is not None:
                 ix.tiers[below].allocator.free(reserve)
 
     def _drop_leaves(self, v: int, t: int, need: Callable[[], int], freed: list[int],
@@ -357,27 +363,40 @@ class Space:
         missing = need() - len(freed)
         start = len(rows)
         nxt = -1
+        runs = chain and not persistent and policy.offers_runs
+        dropped = False                 # v left already (a run's last block)
         while True:
-            slot = mine[v]
-            owner[slot] = NO_BLOCK
-            mine[v] = NO_SLOT
-            if persistent:              # its record is erased before the slot is reused
-                tier.reserved += 1
-                tier.erasing.append(slot)
-            elif slot >= limit:
-                # NOTE: a slot in a shrink's tail is retired, not freed: no room for anyone,
-                # so it must not count as set aside (need() sees the rest).
-                tier.allocator.free_one(slot)
-                missing = need() - len(freed)
-            else:
-                freed.append(slot)
-                missing -= 1
-            del prefix[key[v]]
-            gen[v] = (gen[v] + 1) & 0xFFFFFFFF     # BlockTable.free, inlined: the hot path
-            rows.append(v)
+            if not dropped:
+                slot = mine[v]
+                owner[slot] = NO_BLOCK
+                mine[v] = NO_SLOT
+                if persistent:              # its record is erased before the slot is reused
+                    tier.reserved += 1
+                    tier.erasing.append(slot)
+                elif slot >= limit:
+                    # NOTE: a slot in a shrink's tail is retired, not freed: no room for
+                    # anyone, so it must not count as set aside (need() sees the rest).
+                    tier.allocator.free_one(slot)
+                    missing = need() - len(freed)
+                else:
+                    freed.append(slot)
+                    missing -= 1
+                del prefix[key[v]]
+                gen[v] = (gen[v] + 1) & 0xFFFFFFFF     # BlockTable.free, inlined: the hot path
+                rows.append(v)
+            dropped = False
             p = parent[v]
             if p == NO_BLOCK:
                 break
+            if runs and missing > 0:
+                last = self._leave_run(v, t, missing, freed)
+                if last == -1:          # stopped inside the run: the policy kept one
+                    break
+                if last >= 0:           # the whole run left: go on above its last block
+                    missing = need() - len(freed)
+                    v = last
+                    dropped = True
+                    continue
             if prev_sib[v] == NO_BLOCK and next_sib[v] == NO_BLOCK:
                 first_child[p] = NO_BLOCK           # an only child (_unlink's common case)
             else:
@@ -403,10 +422,57 @@ class Space:
                 break
             tier.evictions += 1
             v = p
-        dropped = len(rows) - start
-        ix.counters.dropped_blocks += dropped
-        table.num_live -= dropped
+        n_dropped = len(rows) - start
+        ix.counters.dropped_blocks += n_dropped
+        table.num_live -= n_dropped
         return nxt
+
+    def _leave_run(self, v: int, t: int, missing: int, freed: list[int]) -> int:
+        """`_drop_leaves`' steps above leaf v (just dropped from tier t) in one pass, as far
+        as they are simple (`chains.leaving`: each block is its child's parent, its only
+        copy in t, unpinned, a leaf once its child is gone): the policy is offered the run
+        at once (`offer_run`, as many blocks as are `missing`), those it takes are dropped as
+        the loop would have dropped them, and the first it keeps is its candidate. Returns
+        the run's last block when all of the run offered left (the loop goes on above it),
+        -1 when the policy kept one (the loop stops), -2 when there is no simple step.
+
+        NOTE: exact only for a policy with `offers_runs` (policies/base.py): when run[i] is
+        offered, it has lost its child as in the loop, but the blocks taken before it are
+        dropped only after the call, and the run's later blocks have lost their child too
+        (given back to those not reached)."""
+        ix = self.ix
+        tier = ix.tiers[t]
+        table = ix.blocks
+        out = np.empty(min(missing, table.capacity), dtype=np.intp)
+        kids = table.view("resident_children", t)
+        m = chains.leaving(v, t, tier.allocator.capacity, table.view("parent"),
+                           table.view("prev_sibling"), table.view("next_sibling"), kids,
+                           table.view("published"), table.view("in_flight"),
+                           table.view("ref_count"), table.view("candidate"),
+                           table.tier_views("slots"), out)
+        if not m:
+            return -2
+        first_child = table.view("first_child")
+        chains.unlink_run(out, 0, m, first_child, kids, False)
+        run = out[:m].tolist()
+        k = tier.policy.offer_run(run)
+        if k + 1 < m:                   # not reached: they keep their child
+            chains.unlink_run(out, k + 1, m, first_child, kids, True)
+        if k:
+            slots = np.empty(k, dtype=np.intp)
+            chains.free_run(out, k, table.view("slots", t),
+                            np.frombuffer(tier.owner, dtype=np.int32), table.view("gen"),
+                            slots)
+            freed += slots.tolist()
+            prefix, key = ix.prefix, ix._key
+            for b in run[:k]:
+                del prefix[key[b]]
+            table._free += run[:k]
+            tier.evictions += k
+        if k < m:
+            ix._cand[run[k]] |= 1 << t          # inserted by the policy
+            return -1
+        return run[-1]
 
     def _coalesce(self, plan: list[Transfer]) -> list[Transfer]:
         """Pair ascending source slots with ascending destination slots (a permutation of the

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -77,8 +77,12 @@ from tiered_cache.errors import (
     TransferError,
 )
 from tiered_cache.hashing import BlockHasher
+from tiered_cache.jit import LazyModule
 from tiered_cache.locking import HoldStats, TimedLock
 from tiered_cache.policies.base import CachePolicy
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 __all__ = ["COUNTERS", "DEVICE", "BlockIndex", "BlockInfo", "Counters", "Promote", "Worth"]
 
@@ -146,7 +150,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                  verify_tokens: bool = True, share_inflight: bool = False,
                  write_through: bool = False,
                  run: Run | None = None, on_pressure: Callable[[], None] | None = None,
-                 high_watermark: float = 1.0, keyed: list[TierSpec] = (),
+                 high_watermark: float = 1.0, keyed: Iterable[TierSpec] = (),
                  worth: Worth | None = None) -> None:
         if not specs:
             raise ValueError("a cache needs at least a device tier")
@@ -194,6 +198,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         self.persist = Persistence(self)
         self.inflight = InFlight(self, share_inflight)
         self._bind()
+        chains.warm_up(len(specs))
 
     def _bind(self) -> None:
         """Local aliases of the table's arrays for the hot paths (rebound when it grows)."""
@@ -379,32 +384,42 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             return [dev[b] for b in seq.blocks]
 
     def _match_after(self, seq: Sequence, prev: int, key: bytes) -> list[int]:
-        """`_match` continuing the chain after block `prev` (NO_BLOCK: at the root)."""
+        """`_match` continuing the chain after block `prev` (NO_BLOCK: at the root): the key
+        match, then its verification (parents, the root at depth 0, token ids) in one pass."""
         bs = self.block_size
-        nbytes = bs * 4
         tokens = seq.token_ids
-        data = tokens.tobytes()
-        h, get = self.hasher.hash_fn, self.prefix.get
-        t = self.blocks
+        get = self.prefix.get
         matched: list[int] = []
-        for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
-            key = h(key + data[off:off + nbytes])
-            b = get(key)
-            if b is None or t.parent[b] != prev or (
-                    prev == NO_BLOCK and t.root_id[b] != seq.root_id):
-                break
-            if self.verify_tokens and t.tokens[b].tobytes() != data[off:off + nbytes]:
-                break
-            seq.keys.append(key)
-            matched.append(b)
-            prev = b
+        keys: list[bytes] = []
+        if self.hasher.compiled:
+            self._match_keys(key, tokens, 0, get, keys.append, matched.append)
+        else:
+            nbytes = bs * 4
+            data = tokens.tobytes()
+            h = self.hasher.hash_fn
+            for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
+                key = h(key + data[off:off + nbytes])
+                b = get(key)
+                if b is None:
+                    break
+                keys.append(key)
+                matched.append(b)
+        if matched:
+            t = self.blocks
+            good = chains.verify(np.asarray(matched, dtype=np.intp), t.view("parent"),
+                                 t.view("root_id"), t.tokens, tokens, bs, prev, seq.root_id,
+                                 self.verify_tokens)
+            del matched[good:]
+            seq.keys += keys[:good]
         return matched
 
     def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
-               t0: float, shared: list[int] = (), ids: np.ndarray | None = None) -> Sequence:
+               t0: float, shared: list[int] | None = None,
+               ids: np.ndarray | None = None) -> Sequence:
         """The rest of `open`: pin the matched blocks, make them resident in tier 0, take the
         `shared` blocks other sequences are computing after them (core/inflight.py), give the
         sequence slots for the tokens after those. `ids`: `matched` as an intp array."""
+        shared = shared if shared is not None else []
         tokens = seq.token_ids
         survey = self._survey(matched, ids)
         promote_ids = survey.promote
@@ -576,22 +591,19 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             ids = seq.match_ids
             if len(ids) != len(blocks):
                 ids = np.asarray(blocks, dtype=np.intp)
-            ids = ids[::-1]
             published = t.view("published")
-            pub = published[ids]
-            every = np.count_nonzero(pub) == len(ids)
-            t.view("last_access")[ids if every else ids[pub != 0]] = self.clock
+            every = chains.stamp(ids, published, t.view("last_access"), self.clock) == len(ids)
             if seq.registered or seq.waiters:
                 self.inflight.close(seq)
-            zero = self._unpin_ids(ids)
+            zero = self._unpin_ids(ids, rev=True)
             # NOTE: only a private block is released here; with every block published (a
             # hit's close) there is none to look for.
             if len(zero) and not every:
                 # NOTE: releasing a private block changes no other block's key or flight.
-                private = published[zero] == 0
-                if np.count_nonzero(private):
-                    for b in zero[private & (t.view("in_flight")[zero] == 0)].tolist():
-                        self._release(b)
+                out = np.empty(len(zero), dtype=np.intp)
+                m = chains.releasable(zero, len(zero), published, t.view("in_flight"), out)
+                for b in out[:m].tolist():
+                    self._release(b)
         elif seq.registered or seq.waiters:
             self.inflight.close(seq)
         seq.blocks = []
@@ -634,7 +646,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         held) if a promotion it would read failed."""
         for seq in seqs:
             self.check_open(seq)
-        rows, held = [], []
+        rows: list[tuple[list[int], list[int], int]] = []
+        held: list[int] = []
         dev, slots, pend, flight = self._slots[DEVICE], self._slots, self.pending, self._flight
         fastest = self.blocks.fastest_tier
         for seq in seqs:
@@ -715,30 +728,59 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         """
         tokens = seq.token_ids
         bs = self.block_size
-        nbytes = bs * 4
-        data = tokens.tobytes()
-        key = seq.root
         matched: list[int] = []
         keys = seq.keys
-        h, get = self.hasher.hash_fn, self.prefix.get
+        get = self.prefix.get
         add_key, add_block = keys.append, matched.append
-        for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
-            key = h(key + data[off:off + nbytes])
-            b = get(key)
-            if b is None:
-                break
-            add_key(key)
-            add_block(b)
+        if self.hasher.compiled:
+            self._match_keys(seq.root, tokens, 0, get, add_key, add_block)
+        else:
+            nbytes = bs * 4
+            data = tokens.tobytes()
+            key, h = seq.root, self.hasher.hash_fn
+            for off in range(0, (len(tokens) // bs) * nbytes, nbytes):
+                key = h(key + data[off:off + nbytes])
+                b = get(key)
+                if b is None:
+                    break
+                add_key(key)
+                add_block(b)
         if not matched:
             return matched, _NO_IDS
         ids = np.asarray(matched, dtype=np.intp)
-        good = self._verified(seq, matched, ids, data)
+        good = self._verified(seq, matched, ids)
         if good < len(matched):
             seq.collided = True     # counted only if the open succeeds
             del matched[good:]
             del keys[good:]
             ids = ids[:good]
         return matched, ids
+
+    _CHUNK = 64
+    """Keys computed per compiled call of a match's first round; each later round doubles."""
+
+    def _match_keys(self, key: bytes, tokens: np.ndarray, first: int, get, add_key,
+                    add_block, want=None) -> None:
+        """The key match of blocks first.. of `tokens` after the block keyed `key`, with the
+        keys computed in compiled rounds (`BlockHasher.keys`): 64 blocks, then twice as many
+        each round, so a long prompt with a short cached prefix hashes about as far as its
+        match reaches (at most twice, and 64 blocks). `want(b)`: a further test a found block
+        must pass (False: the match ends there)."""
+        keys_of = self.hasher.keys
+        n = len(tokens) // self.block_size
+        chunk = self._CHUNK
+        while first < n:
+            m = min(chunk, n - first)
+            kb = keys_of(key, tokens, first, m)
+            for off in range(0, 16 * m, 16):
+                key = kb[off:off + 16]
+                b = get(key)
+                if b is None or (want is not None and not want(b)):
+                    return
+                add_key(key)
+                add_block(b)
+            first += m
+            chunk *= 2
 
     def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray,
                   data: bytes | None = None) -> int:
@@ -747,26 +789,9 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         verify_tokens, its stored token ids equal the request's. `data`: the request's token
         ids as int32 bytes (at least the matched blocks'), if the caller has them."""
         t = self.blocks
-        n = len(matched)
-        bs = self.block_size
-        parents = t.view("parent")[ids].astype(np.intp)
-        stored = t.tokens[ids] if self.verify_tokens else None
-        if data is None:
-            data = seq.token_ids[:n * bs].tobytes()
-        # NOTE: whole-chain byte comparisons first: one call each where the match is good
-        # (nearly always); the per-block search below only runs on a collision. The stored
-        # rows are int32, as `data` is: equal bytes are equal token ids.
-        if (parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
-                and parents[1:].tobytes() == ids[:-1].tobytes()
-                and (stored is None or stored.tobytes() == data[:n * bs * 4])):
-            return n
-        want = seq.token_ids[:n * bs]
-        ok = np.empty(n, dtype=bool)
-        ok[0] = parents[0] == NO_BLOCK and t.root_id[matched[0]] == seq.root_id
-        np.equal(parents[1:], ids[:-1], out=ok[1:])
-        if stored is not None:
-            ok &= (stored == want.reshape(n, bs)).all(axis=1)
-        return n if ok.all() else int(np.argmin(ok))
+        return chains.verify(ids, t.view("parent"), t.view("root_id"), t.tokens,
+                             seq.token_ids, self.block_size, NO_BLOCK, seq.root_id,
+                             self.verify_tokens)
 
     # ------------------------------------------------------------------ publishing
     def _publish_ready(self, seq: Sequence) -> list[int]:
@@ -790,6 +815,9 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             # for it to publish them (it publishes ours then), or stay private if it never does.
             return []
         key, add_key = (keys[-1] if keys else seq.root), keys.append
+        if len(keys) < ready and self.hasher.compiled:
+            kb = self.hasher.keys(key, tokens, len(keys), ready - len(keys))
+            keys += [kb[off:off + 16] for off in range(0, len(kb), 16)]
         for off in range(len(keys) * nbytes, ready * nbytes, nbytes):
             key = h(key + data[off:off + nbytes])
             add_key(key)
@@ -801,10 +829,10 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             # path's collision handling, not overwrite its own first block's entry. (The
             # index maps keys to ids, never to None: disjoint keys are keys not found.)
             if prefix.keys().isdisjoint(run) and len(set(run)) == len(run):
-                fresh = self._publish_chain(seq, first, ready, parent)
+                chain = self._publish_chain(seq, first, ready, parent)
                 if self.inflight.registry or seq.waiters:
-                    fresh += self.inflight.published(seq, first, ready)
-                return fresh
+                    chain += self.inflight.published(seq, first, ready)
+                return chain
         fresh: list[int] = []
         rows: list[int] = []            # published blocks, and their positions: token ids
         at: list[int] = []              # are stored in one vectorised copy at the end
@@ -894,7 +922,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         if i == len(matched):
             return
         tier = fastest(matched[i])
-        if not self.worth(tier, len(matched) - i, i):
+        if self.worth is not None and not self.worth(tier, len(matched) - i, i):
             del matched[i:]
             del seq.keys[i:]
             self.counters.skipped_loads += 1

@@ -54,10 +54,12 @@ def check_invariants(target) -> None:
             if not t.is_cached(b):
                 _fail(f"published block {b} holds no copy")
             p = t.parent[b]
-            if p != NO_BLOCK and (t.key[p] is None or idx.prefix.get(t.key[p]) != p):
+            pkey = t.key[p] if p != NO_BLOCK else None
+            if p != NO_BLOCK and (pkey is None or idx.prefix.get(pkey) != p):
                 _fail(f"published block {b} has an unpublished parent")
         for b in live:
-            if t.key[b] is not None and idx.prefix.get(t.key[b]) != b:
+            bkey = t.key[b]
+            if bkey is not None and idx.prefix.get(bkey) != b:
                 _fail(f"block {b} has a key but is not in the index")
             if t.key[b] is None and (t.first_child[b] != NO_BLOCK or t.parent[b] != NO_BLOCK):
                 _fail(f"unpublished block {b} keeps tree links")

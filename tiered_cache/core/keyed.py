@@ -93,7 +93,7 @@ class KeyedTiers:
             if m and (parent < 0 or t.key[parent] is None):
                 return 0                # a block before these is not published (yet)
             try:
-                stage = ix.space.reserve(host, n)[::-1] if staged else []
+                stage = ix.space.reserve(host, n)[::-1] if staged and host is not None else []
             except CapacityError:
                 # NOTE: room counted slots that copies under way hold: a load is an extra, so
                 # the sequence computes these tokens itself (a miss), never a refused open.
@@ -120,7 +120,9 @@ class KeyedTiers:
             if keyed.staged or m != seq.num_published or seq.num_tokens != m * bs:
                 return 0
             if m:
-                parent, key = seq.blocks[-1], t.key[seq.blocks[-1]]
+                parent, last = seq.blocks[-1], t.key[seq.blocks[-1]]
+                assert last is not None         # (m == num_published: it is published)
+                key = last
             elif parent_key == ix.root_keys[seq.root_id]:
                 parent, key = NO_BLOCK, parent_key
             else:
@@ -196,9 +198,10 @@ class KeyedTiers:
                 seq.keys[i] = key       # (computed at open: core/inflight.py)
             else:
                 seq.keys.append(key)
-            meta = RecordMeta(key, t.key[parent] if parent != NO_BLOCK else root, root,
-                              t.depth[b], t.token_bytes(b), 0)
-            if stage:
+            pkey = t.key[parent] if parent != NO_BLOCK else root
+            assert pkey is not None       # (a parent of a published block is published)
+            meta = RecordMeta(key, pkey, root, t.depth[b], t.token_bytes(b), 0)
+            if stage and host is not None:      # (staged: host is the stage tier)
                 h = stage.pop()
                 plan.append(Transfer(b, keyed.index, NO_SLOT, host, h, meta=meta))
                 plan.append(Transfer(b, host, h, DEVICE, dev[b]))

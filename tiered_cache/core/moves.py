@@ -45,50 +45,9 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
         victims = _chain_tops(idx, src, after, n) if after else []
         victims += idx.space.take_victims(src, n - len(victims))
         _extend_chains(idx, src, victims, n)
-        below = range(src + 1, len(slots))
-        target = idx.tiers[dst] if dst is not None else None
-        need = [v for v in victims if target is not None
-                and all(slots[i][v] == NO_SLOT for i in below)]
-        if target is not None and target.admit_min_hits:
-            admitted = [v for v in need if idx.space.admits(dst, v)]
-            for v in set(need).difference(admitted):
-                idx.space.turned_away(v)    # dropped below, remembered for next time
-            need = admitted
-        # Ascending source slots paired with ascending destination slots: adjacent blocks merge
-        # into one large copy (transfer.group sorts by source slot).
-        need.sort(key=lambda v: slots[src][v])
-        persistent = target is not None and target.persistent
-        keep: list[int] = []                # ancestors persisted along (they stay above)
-        if persistent:
-            need, keep, later = _with_ancestors(idx, dst, need, idx.space.room(dst))
-            for v in later:                 # a parent is busy: this victim waits its turn
-                idx.space.recheck(v)
-            victims = [v for v in victims if v not in set(later)]
-        k = min(len(need) + len(keep), idx.space.room(dst)) if dst is not None else 0
-        try:
-            dest = idx.space.reserve(dst, k) if k else []
-        except CapacityError:
-            # Room counted blocks the lower tier cannot evict right now (in flight, or a
-            # shrink draining it): keep these victims where they are for the next round.
-            kept = set(need)
-            for v in need:
-                idx.space.recheck(v)
-            victims = [v for v in victims if v not in kept]
-            need, keep, dest = [], [], []
         plan: list[Transfer] = []
-        # Ancestors first: a commit that lands only in part never leaves a child on disk
-        # without its parent.
-        ancestors = set(keep)
-        for b, s in zip(keep + need, dest):
-            src_b = t.fastest_tier(b) if b in ancestors else src
-            if slots[src_b][b] == NO_SLOT:  # dropped by the lower tier's eviction just now
-                idx.space.free_slot(dst, s)
-                idx.space.unreserve(dst)
-                continue
-            meta = idx.persist.record_meta(b) if persistent else None
-            plan.append(Transfer(b, src_b, slots[src_b][b], dst, s, keep=b in ancestors,
-                                 meta=meta))
-            idx.copies.begin_move(b)
+        if dst is not None:
+            plan, victims = _copy_plan(idx, src, dst, victims)
         moving = {tr.block for tr in plan}
         for v in victims:                   # no copy needed, or no room: leave the tier now
             if v in moving or slots[src][v] == NO_SLOT:
@@ -97,6 +56,59 @@ def plan_demotion(idx: BlockIndex, src: int, dst: int | None, n: int,
             idx.space.note_evictions(src)
             idx.copies.drop_if_uncached(v)
         return plan
+
+
+def _copy_plan(idx: BlockIndex, src: int, dst: int,
+               victims: list[int]) -> tuple[list[Transfer], list[int]]:
+    """The copies into `dst` of `plan_demotion`'s victims that need one (lock held): the plan,
+    and the victims that leave `src` (those waiting for a busy parent or for room in `dst`
+    are taken out of them: they stay for the next round)."""
+    t = idx.blocks
+    slots = t.slots
+    below = range(src + 1, len(slots))
+    target = idx.tiers[dst]
+    need = [v for v in victims if all(slots[i][v] == NO_SLOT for i in below)]
+    if target.admit_min_hits:
+        admitted = [v for v in need if idx.space.admits(dst, v)]
+        for v in set(need).difference(admitted):
+            idx.space.turned_away(v)    # dropped below, remembered for next time
+        need = admitted
+    # Ascending source slots paired with ascending destination slots: adjacent blocks merge
+    # into one large copy (transfer.group sorts by source slot).
+    need.sort(key=lambda v: slots[src][v])
+    persistent = target.persistent
+    keep: list[int] = []                # ancestors persisted along (they stay above)
+    if persistent:
+        need, keep, later = _with_ancestors(idx, dst, need, idx.space.room(dst))
+        for v in later:                 # a parent is busy: this victim waits its turn
+            idx.space.recheck(v)
+        victims = [v for v in victims if v not in set(later)]
+    k = min(len(need) + len(keep), idx.space.room(dst))
+    try:
+        dest = idx.space.reserve(dst, k) if k else []
+    except CapacityError:
+        # Room counted blocks the lower tier cannot evict right now (in flight, or a
+        # shrink draining it): keep these victims where they are for the next round.
+        kept = set(need)
+        for v in need:
+            idx.space.recheck(v)
+        victims = [v for v in victims if v not in kept]
+        need, keep, dest = [], [], []
+    plan = []
+    # Ancestors first: a commit that lands only in part never leaves a child on disk
+    # without its parent.
+    ancestors = set(keep)
+    for b, s in zip(keep + need, dest):
+        src_b = t.fastest_tier(b) if b in ancestors else src
+        if slots[src_b][b] == NO_SLOT:  # dropped by the lower tier's eviction just now
+            idx.space.free_slot(dst, s)
+            idx.space.unreserve(dst)
+            continue
+        meta = idx.persist.record_meta(b) if persistent else None
+        plan.append(Transfer(b, src_b, slots[src_b][b], dst, s, keep=b in ancestors,
+                             meta=meta))
+        idx.copies.begin_move(b)
+    return plan, victims
 
 
 def _with_ancestors(idx: BlockIndex, dst: int, need: list[int],
@@ -186,14 +198,22 @@ def _extend_chains(idx: BlockIndex, src: int, victims: list[int], n: int) -> Non
 
 
 def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
+    """Apply a demotion batch's copy (ok) or give its destinations back.
+
+    NOTE: deepest blocks first. A block whose child in the batch has landed below already
+    has a resident child there, so it never becomes a candidate of the tier below just to
+    stop being one when that child lands (in plan order, by source slot, a chain's blocks
+    came root first: each was inserted into the lower tier's policy and removed again, and
+    each insert of a never-used block walked its chain for the duel)."""
     with idx.locked():
         t = idx.blocks
-        for tr in plan:
+        depth = t.depth
+        done = 0
+        for tr in sorted(plan, key=lambda tr: -depth[tr.block]):
             b = tr.block
             idx.space.unreserve(tr.dst_tier)
             if ok and t.key[b] is not None:
-                idx.count("demotions")
-                idx.count("demotion_bytes", idx.block_bytes)
+                done += 1
                 if tr.keep:                 # a persisted ancestor keeps its faster copies
                     idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
                 elif t.ref_count[b] == 0:
@@ -204,6 +224,9 @@ def commit_demotion(idx: BlockIndex, plan: list[Transfer], ok: bool) -> None:
             else:
                 idx.space.free_slot(tr.dst_tier, tr.dst_slot)
             idx.copies.end_move(b)
+        if done:
+            idx.count("demotions", done)
+            idx.count("demotion_bytes", done * idx.block_bytes)
 
 
 # ---------------------------------------------------------------- write-through
@@ -237,18 +260,23 @@ def plan_copy_down(idx: BlockIndex, blocks: list[int], src: int = 0,
 def commit_copy_down(idx: BlockIndex, plan: list[Transfer], ok: bool,
                      counter: str | None = "write_through_blocks") -> None:
     """Commit a plan of extra copies (`plan_copy_down`, `plan_drain`): each block gets its new
-    copy if `ok`, else the reserved slot is given back; `counter` counts the copies made."""
+    copy if `ok`, else the reserved slot is given back; `counter` counts the copies made.
+    Deepest blocks first, as `commit_demotion` (no candidacy of the tier below that a
+    child landing right after would take back)."""
     with idx.locked():
-        for tr in plan:
+        depth = idx.blocks.depth
+        done = 0
+        for tr in sorted(plan, key=lambda tr: -depth[tr.block]):
             b = tr.block
             idx.space.unreserve(tr.dst_tier)
             if ok and idx.blocks.key[b] is not None:
                 idx.copies.set_slot(b, tr.dst_tier, tr.dst_slot)
-                if counter is not None:
-                    idx.count(counter)
+                done += 1
             else:
                 idx.space.free_slot(tr.dst_tier, tr.dst_slot)
             idx.copies.end_move(b)
+        if done and counter is not None:
+            idx.count(counter, done)
 
 
 # ---------------------------------------------------------------- drain (a graceful stop)

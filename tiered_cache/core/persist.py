@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -44,8 +45,9 @@ class Persistence:
         t = ix.blocks
         root = ix.root_keys[t.root_id[b]]
         p = t.parent[b]
-        return RecordMeta(t.key[b], t.key[p] if p != NO_BLOCK else root, root, t.depth[b],
-                          t.token_bytes(b), t.hits[b])
+        key, parent = t.key[b], t.key[p] if p != NO_BLOCK else root
+        assert key is not None and parent is not None       # (b is published, so is p)
+        return RecordMeta(key, parent, root, t.depth[b], t.token_bytes(b), t.hits[b])
 
     def lend(self, tier: int, n: int) -> list[int]:
         """n free slots of `tier` (evicting by policy as needed) that the caller fills outside
@@ -89,34 +91,87 @@ class Persistence:
         with atomic(), ix.lock:
             t = ix.blocks
             root = ix.root_keys[root_id]
-            prefix, hasher = ix.prefix, ix.hasher
+            prefix, key_of = ix.prefix, ix.hasher.key
+            nbytes = 4 * ix.block_size
+            ix.space.unreserve(tier, len(entries))
             taken: list[int] = []
+            made: list[tuple[int, RecordMeta]] = []     # (slot, meta) of those taken
+            up: list[int] = []      # per taken: its parent's id here, or -2 - (its index)
+            fresh: dict[bytes, int] = {}    # key -> index in `made` (parents of later ones)
+            root_of, depth_of = t.root_id, t.depth
             for slot, m in entries:
-                parent = NO_BLOCK if m.depth == 0 else prefix.get(m.parent, NO_BLOCK)
-                ok = (m.root == root and m.key not in prefix and len(m.tokens) == 4 *
-                      ix.block_size and hasher.key(m.parent, m.tokens) == m.key
-                      and (m.parent == root if m.depth == 0 else
-                           parent != NO_BLOCK and t.root_id[parent] == root_id
-                           and t.depth[parent] == m.depth - 1))
-                ix.space.unreserve(tier)
+                ok = (m.root == root and m.key not in prefix and m.key not in fresh
+                      and len(m.tokens) == nbytes and key_of(m.parent, m.tokens) == m.key)
+                parent = NO_BLOCK
+                if ok and m.depth:
+                    j = fresh.get(m.parent)
+                    if j is not None:
+                        ok = made[j][1].depth == m.depth - 1
+                        parent = -2 - j
+                    else:
+                        parent = prefix.get(m.parent, NO_BLOCK)
+                        ok = parent != NO_BLOCK and root_of[parent] == root_id and \
+                            depth_of[parent] == m.depth - 1
+                elif ok:
+                    ok = m.parent == root
                 if not ok:
                     ix.space.free_slot(tier, slot)
                     taken.append(NO_BLOCK)
                     continue
-                b = t.new(m.depth, 0)
-                t.key[b] = m.key
-                t.published[b] = 1
-                t.tokens[b] = np.frombuffer(m.tokens, dtype="<i4")
-                t.parent[b] = parent
-                t.root_id[b] = root_id
-                t.hits[b] = m.hits
-                t.last_access[b] = t.inserted_at[b] = ix.clock
+                fresh[m.key] = len(made)
+                taken.append(len(made))
+                made.append((slot, m))
+                up.append(parent)
+            if not made:
+                return taken
+            n = len(made)
+            d0 = made[0][1].depth
+            if made[-1][1].depth == d0 + n - 1 and \
+                    all(m.depth == d0 + i for i, (_, m) in enumerate(made)):
+                rows, _ = t.new_run_ids(d0, n)        # a chain: in one pass
+            else:
+                rows = [t.new(m.depth, 0) for _, m in made]
+            parents = [p if p >= NO_BLOCK else rows[-2 - p] for p in up]
+            ids = np.asarray(rows, dtype=np.intp)
+            t.view("parent")[ids] = parents
+            t.view("root_id")[ids] = root_id
+            t.view("hits")[ids] = [m.hits for _, m in made]
+            t.view("last_access")[ids] = ix.clock
+            t.view("inserted_at")[ids] = ix.clock
+            t.tokens[ids] = np.frombuffer(b"".join(m.tokens for _, m in made),
+                                          dtype="<i4").reshape(n, ix.block_size)
+            key, published, link = t.key, t.published, ix._link
+            for b, p, (_, m) in zip(rows, parents, made):     # the tokens are in: publish
+                key[b] = m.key
+                published[b] = 1
                 prefix[m.key] = b
-                if parent != NO_BLOCK:
-                    ix._link(parent, b)
-                ix.copies.set_slot(b, tier, slot)
-                taken.append(b)
-            return taken
+                if p != NO_BLOCK:
+                    link(p, b)
+            # NOTE: copies deepest first: a block whose child in the batch has its copy already
+            # never becomes a candidate only to stop being one a moment later (each candidacy
+            # is a policy insert, and a never-used block's insert walks its chain for the
+            # duel); the batch's leaves alone become candidates.
+            if all(up[i] == -1 - i for i in range(1, n)):
+                # A chain (each block the child of the one before): what set_slot does for
+                # each, deepest first, in one pass: only the leaf becomes a candidate, and
+                # the chain's parent may stop being one.
+                mine, owner = ix._slots[tier], ix.tiers[tier].owner
+                for b, (slot, _) in zip(rows, made):
+                    mine[b] = slot
+                    owner[slot] = b
+                t.view("resident_children", tier)[ids[:-1]] = 1
+                ix._refresh(rows[-1])
+                if parents[0] != NO_BLOCK:
+                    ix._kids[tier][parents[0]] += 1
+                    ix._refresh(parents[0])
+                return [b if b == NO_BLOCK else rows[b] for b in taken]
+            set_slot = ix.copies.set_slot
+            order: Sequence[int] = range(n - 1, -1, -1)    # (chain order: parents first)
+            if any(made[i][1].depth < made[i - 1][1].depth for i in range(1, n)):
+                order = sorted(range(n), key=lambda i: -made[i][1].depth)
+            for i in order:
+                set_slot(rows[i], tier, made[i][0])
+            return [b if b == NO_BLOCK else rows[b] for b in taken]
 
     def copies_with_hits(self, tier: int) -> tuple[list[int], list[int]]:
         """(slots, use counts) of every published block with a copy in `tier`."""

@@ -8,7 +8,7 @@ Its mixins (core/tree.py, batch.py) are methods of the owner over the same field
 NOTE: `slots=True`, and the owner, its mixins and its parts declare `__slots__` too (none has an
 instance `__dict__`): an attribute that is not declared here, or in a part's own dataclass,
 cannot be set, so no field is shared without being declared. `init=False`: `BlockIndex.__init__`
-sets every field (tests/test_state.py checks that none is left unset).
+sets every field (tests/core/test_state.py checks that none is left unset).
 """
 
 from __future__ import annotations

@@ -8,23 +8,23 @@ and promotions into the device tier (`_plan_promotion` / `commit_promotion`). Ev
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.readiness import LayerReadiness
+from tiered_cache.core.state import BlockState
 from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import TransferError
 
-if TYPE_CHECKING:
-    from tiered_cache.core.index import BlockIndex
 
+class BlockTree(BlockState):
+    """NOTE: a `BlockState` so that the type checker sees the fields its methods use;
+    `BlockIndex` is the one class that is instantiated."""
 
-class BlockTree:
     __slots__ = ()
 
-    def _link(self: BlockIndex, p: int, c: int) -> None:
+
+    def _link(self, p: int, c: int) -> None:
         t = self.blocks
         head = t.first_child[p]
         t.next_sibling[c] = head
@@ -33,7 +33,7 @@ class BlockTree:
             t.prev_sibling[head] = c
         t.first_child[p] = c
 
-    def _unlink(self: BlockIndex, p: int, c: int) -> None:
+    def _unlink(self, p: int, c: int) -> None:
         t = self.blocks
         prev, nxt = t.prev_sibling[c], t.next_sibling[c]
         if prev == nxt == NO_BLOCK:             # an only child: the common case
@@ -47,7 +47,7 @@ class BlockTree:
             t.prev_sibling[nxt] = prev
         t.next_sibling[c] = t.prev_sibling[c] = NO_BLOCK
 
-    def _plan_promotion(self: BlockIndex, blocks: list[int], slots: list[int],
+    def _plan_promotion(self, blocks: list[int], slots: list[int],
                         readiness: LayerReadiness) -> list[Transfer]:
         """Device slots for blocks only in slower tiers; the data follows (commit_promotion).
 
@@ -85,7 +85,7 @@ class BlockTree:
             set_slot(b, DEVICE, s)
         return plan
 
-    def commit_promotion(self: BlockIndex, plan: list[Transfer], ok: bool,
+    def commit_promotion(self, plan: list[Transfer], ok: bool,
                          failed: frozenset[int] | set[int] = frozenset()) -> None:
         """A promotion's copy finished (ok) or was given up: the device copy stays, or is
         released (the slower copy stays valid). Blocks in `failed` could not be read from
@@ -135,7 +135,7 @@ class BlockTree:
                     copies.drop_if_uncached(b)
             space.copy_ended()          # requests waiting for room look again
 
-    def _pin(self: BlockIndex, b: int) -> None:
+    def _pin(self, b: int) -> None:
         r = self._ref[b]
         self._ref[b] = r + 1
         if r == 0:
@@ -145,7 +145,7 @@ class BlockTree:
             if self._cand[b]:
                 self._refresh(b)
 
-    def _unpin(self: BlockIndex, b: int) -> None:
+    def _unpin(self, b: int) -> None:
         r = self._ref[b] - 1
         self._ref[b] = r
         if r == 0:
@@ -154,14 +154,14 @@ class BlockTree:
                     tier.pinned_blocks -= 1
             self._refresh(b)
 
-    def _release(self: BlockIndex, b: int) -> None:
+    def _release(self, b: int) -> None:
         """Free every copy of an unpublished, unpinned block no copy is using, and its row."""
         for t, s in enumerate(self._slots):
             if s[b] != NO_SLOT:
                 self.copies.clear_slot(b, t)
         self.blocks.free(b)
 
-    def _drop_subtree(self: BlockIndex, top: int) -> int:
+    def _drop_subtree(self, top: int) -> int:
         """Unpublish `top` and every published block below it; free the copies of those no
         open sequence reads (the rest are freed when their last reader closes)."""
         dropped = 0
@@ -204,7 +204,7 @@ class BlockTree:
             dropped += 1
         return dropped
 
-    def _refresh(self: BlockIndex, b: int) -> None:
+    def _refresh(self, b: int) -> None:
         """Re-derive b's candidacy in every tier (invariant 4) and tell the policies."""
         eligible = self._key[b] is not None and self._flight[b] == 0
         unpinned = self._ref[b] == 0

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 
 import numpy as np
 import torch
@@ -114,7 +115,7 @@ def _in_assisted_decoding() -> bool:
 
     NOTE: read from the call stack because transformers tells a cache nothing of the decoding
     mode before that first forward (it checks `is_croppable` only after it)."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if code.co_name == "_assisted_decoding" and "transformers" in code.co_filename:
@@ -588,8 +589,7 @@ def prefill(model, past: Cache, input_ids=None, chunk_size: int = DEFAULT_PREFIL
     if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
         raise ValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     start = past.get_seq_length()
-    tiered = isinstance(past, TieredCache)
-    if tiered:
+    if isinstance(past, TieredCache):
         past._check_open()
         if model is not past.model:
             raise ArgumentError("prefill: `model` is not the model this TieredCache was opened "
@@ -620,8 +620,10 @@ def prefill(model, past: Cache, input_ids=None, chunk_size: int = DEFAULT_PREFIL
         forward_kwargs.setdefault("logits_to_keep", 1)
     logits = None
     for chunk in torch.split(suffix, chunk_size):
-        extra = past.forward_kwargs(int(chunk.numel()), device) if tiered else {}
+        extra = (past.forward_kwargs(int(chunk.numel()), device)
+                 if isinstance(past, TieredCache) else {})
         out = model(input_ids=chunk.unsqueeze(0).to(device), use_cache=True,
                     **{kwarg: past}, **extra, **forward_kwargs)
         logits = out.logits[:, -1]
+    assert logits is not None               # (suffix is not empty: one chunk at least)
     return logits

@@ -58,12 +58,16 @@ import math
 import numpy as np
 
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.jit import LazyModule
 from tiered_cache.policies import duel_arrays
 from tiered_cache.policies.base import PriorityPolicy
 from tiered_cache.policies.duel import MAX_RATE, MINI_SLOTS, Duel, Z
 from tiered_cache.policies.duel_arrays import ArrayDuel
 from tiered_cache.policies.reuse_credit import GHOST_PER_SLOT, REDUNDANT
 from tiered_cache.policies.shadow import EXPERTS, TAIL_FIRST, Expert, Turnover, credit
+
+ghost = LazyModule("tiered_cache.policies.ghost")
+"""policies/ghost.py, imported at first use (no numba at import: tiered_cache/jit.py)."""
 
 REKEY = 64
 """Candidates re-keyed per hook call after a switch of expert."""
@@ -85,6 +89,7 @@ class AdaptivePolicy(PriorityPolicy):
 
     name = "adaptive"
     hears_every_access = True           # the duel must hear every sampled hit
+    offers_runs = True                  # `offer(b)` reads b, and its ancestors' parents/hits
     experts: tuple[Expert, ...] = EXPERTS
     z: float = Z
     mini_slots: int = MINI_SLOTS
@@ -102,12 +107,8 @@ class AdaptivePolicy(PriorityPolicy):
         self._choice = 0
         self._m, self._k = self.experts[0].lifetimes, self.experts[0].gaps
         # content key -> (uses, first use, publication and hits of the block that filed it)
-        # of blocks evicted here, in two generations (see `_uses`)
-        # NOTE: keyed by the 16-byte key itself (its hash is cached in the bytes object), not
-        # by hash(key): a third faster per eviction, and only a few bytes more per entry.
-        self._ghost: dict[bytes, tuple[int, int, int, int]] = {}
-        self._ghost_old: dict[bytes, tuple[int, int, int, int]] = {}
-        self._ghost_half = GHOST_PER_SLOT * self._cap // 2
+        # of blocks evicted here, in two generations (see `_uses`; in arrays: ghost.py)
+        self._ghost = ghost.Ghost(GHOST_PER_SLOT * self._cap // 2)
         self._turnover = Turnover(self._cap)
         self._evictions = 0                 # not yet reported to `_turnover`
         self._now = 0                       # latest clock seen (a request's close)
@@ -117,7 +118,7 @@ class AdaptivePolicy(PriorityPolicy):
         self._calls = 0                     # access and insert calls (paces switches)
         self._switched_at = -1              # `_calls` at the last switch (-1: none yet)
         self._single = len(self.blocks.slots) == 1
-        self._out = np.empty(2 * WALK * PROBE + 1, np.int64)   # the compiled walk's scratch
+        self._out = np.empty(2 * WALK * PROBE + 1, np.int64)   # the compiled loops' scratch
         if self.pinned is not None:
             self.duel.fixed = [e.name for e in self.experts].index(self.pinned)
             self.duel.choice = self.duel.fixed
@@ -128,7 +129,7 @@ class AdaptivePolicy(PriorityPolicy):
         # slowly with the capacity; the live side re-measures its turnover.
         super().resize(capacity_blocks)
         self._cap = max(1, capacity_blocks)
-        self._ghost_half = GHOST_PER_SLOT * self._cap // 2
+        self._ghost.resize(GHOST_PER_SLOT * self._cap // 2)
         self._turnover.cap = self._cap
 
     @property
@@ -155,8 +156,6 @@ class AdaptivePolicy(PriorityPolicy):
         prev = None
         if key is not None:
             prev = self._ghost.get(key)
-            if prev is None:
-                prev = self._ghost_old.get(key)
         if prev is None:
             return hits + 1, t.inserted_at[b]
         if prev[2] == t.inserted_at[b]:
@@ -202,8 +201,8 @@ class AdaptivePolicy(PriorityPolicy):
         # rank by them: `offer` hands them on to the ghost if b is evicted at once.
         key = t.key[b]
         prev = None
-        if key is not None:             # (entries are non-empty tuples: `or` asks the old one)
-            prev = self._ghost.get(key) or self._ghost_old.get(key)
+        if key is not None:
+            prev = self._ghost.get(key)
         if prev is None:                                # self._uses(b), inlined
             uses, first = hits + 1, t.inserted_at[b]
         elif prev[2] == t.inserted_at[b]:
@@ -260,8 +259,8 @@ class AdaptivePolicy(PriorityPolicy):
         key = t.key[b]
         born = t.inserted_at[b]
         prev = None
-        if key is not None:             # (entries are non-empty tuples: `or` asks the old one)
-            prev = self._ghost.get(key) or self._ghost_old.get(key)
+        if key is not None:
+            prev = self._ghost.get(key)
         if prev is None:                # self._uses(b), inlined
             uses, first = hits + 1, born
         elif prev[2] == born:
@@ -293,10 +292,7 @@ class AdaptivePolicy(PriorityPolicy):
         if parent != NO_BLOCK:
             self._exposed_gen = t.gen[parent]
         if key is not None:
-            ghost = self._ghost
-            ghost[key] = (uses, first, born, hits)
-            if len(ghost) >= self._ghost_half:
-                self._ghost_old, self._ghost = ghost, {}
+            self._ghost.put(key, uses, first, born, hits)
         n = self._evictions + 1
         if n >= self._turnover.batch:
             self._turnover.evicted(self._now, n)
@@ -305,6 +301,56 @@ class AdaptivePolicy(PriorityPolicy):
         if self._old:
             self._drain()
         return True
+
+    def offer_run(self, run: list[int]) -> int:
+        """`offer` of each block of `run` while each is taken (CachePolicy.offer_run): the
+        common case of `offer` for the whole run in one compiled call (`ghost.take_run`),
+        then `offer` itself for the block it stops before (one that is kept, or whose
+        eviction completes a turnover batch), and so on."""
+        t = self.blocks
+        n = len(run)
+        done = 0
+        while done < n:
+            b = run[done]
+            if b != self._exposed or self._rekey or not self._single or self._old or \
+                    t.gen[b] != self._exposed_gen:
+                if not self.offer(b):
+                    return done
+                done += 1
+                continue
+            heap, live, pop = self._heap, self._live, heapq.heappop
+            while heap and live.get(heap[0][3]) != heap[0][2]:
+                pop(heap)
+            top = heap[0] if heap else None
+            left = self._turnover.batch - 1 - self._evictions
+            rest = run[done:]
+            try:
+                kb = b"".join(map(t.key.__getitem__, rest))
+            except TypeError:           # (published blocks have keys: never, but stay exact)
+                kb = None
+            k = 0
+            if kb is not None and left > 0:
+                out = self._out[:2]
+                g = self._ghost
+                k = ghost.take_run(g.G, g.K, g.S, g.V, g.W, kb, np.asarray(rest, np.intp),
+                             len(rest), t.view("hits"), t.view("inserted_at"),
+                             t.view("last_access"), t.view("parent"), t.view("gen"),
+                             self._m, self._k, self._turnover.lifetime, top is not None,
+                             top[0] if top is not None else 0.0,
+                             top[1] if top is not None else 0, SPARE, t.view("depth"),
+                             left, out)
+                if k:
+                    self._calls += k
+                    self._evictions += k
+                    self._exposed = int(out[0])
+                    if self._exposed != NO_BLOCK:
+                        self._exposed_gen = int(out[1])
+                    done += k
+            if done < n:                # kept, or its eviction completes a batch: as ever
+                if not self.offer(run[done]):
+                    return done
+                done += 1
+        return n
 
     def _offer(self, b: int) -> bool:
         """`offer` in general."""
@@ -459,32 +505,32 @@ class AdaptivePolicy(PriorityPolicy):
         n = len(ids)
         live = self._live
         t = self.blocks
-        key, depth = t.key, t.depth
+        depth = t.depth
         if n < 2 or (live and not live.keys().isdisjoint(ids)) or \
                 depth[ids[-1]] - depth[ids[0]] != n - 1:
             for b in ids:
                 self.access(b)
             return
-        keys = [key[b] for b in ids]
+        try:
+            # (the chain's keys in one buffer, as the duel takes them)
+            kb = b"".join(map(t.key.__getitem__, ids))
+        except TypeError:               # an unpublished block (no key): nothing was done
+            for b in ids:
+                self.access(b)
+            return
         arr = blocks if isinstance(blocks, np.ndarray) else np.asarray(ids, np.int64)
         la, dep = t.view("last_access"), t.view("depth")
         duel, mask = self.duel, self.duel.mask
         parent = self._sampled_above(ids[0])
         calls, start = self._calls, 0
         while True:
-            try:
-                pos, latest = duel.hit_chain(keys, arr, la, dep, start, parent, mask,
-                                             self._choice, calls, self._switched_at,
-                                             self._cap)
-            except TypeError:           # an unpublished block (no key): nothing was done
-                for b in ids[start:]:
-                    self.access(b)
-                return
+            pos, latest = duel.hit_chain(kb, arr, la, dep, start, parent, mask, self._choice,
+                                         calls, self._switched_at, self._cap)
             if pos >= n:
                 break
             self._calls = calls + pos + 1  # the duel moved where `_follow` acts on it
             self._follow()
-            parent, start = keys[pos], pos + 1
+            parent, start = kb[16 * pos:16 * pos + 16], pos + 1
         self._calls = calls + n
         if latest > self._now:
             self._now = latest
@@ -551,16 +597,14 @@ class AdaptivePolicy(PriorityPolicy):
             ghost = self._ghost
             hits, born = t.hits[b], t.inserted_at[b]
             if uses < 0:
-                prev = ghost.get(key) or self._ghost_old.get(key)
+                prev = ghost.get(key)
                 if prev is None:                    # self._uses(b), inlined
                     uses, first = hits + 1, born
                 elif prev[2] == born:
                     uses, first = prev[0] - prev[3] + hits, prev[1]
                 else:
                     uses, first = prev[0] + hits + 1, prev[1]
-            ghost[key] = (uses, first, born, hits)
-            if len(ghost) >= self._ghost_half:
-                self._ghost_old, self._ghost = ghost, {}
+            ghost.put(key, uses, first, born, hits)
         n = self._evictions + 1
         if n >= self._turnover.batch:
             self._turnover.evicted(self._now, n)

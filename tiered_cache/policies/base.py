@@ -46,6 +46,8 @@ from tiered_cache.core.blocks import BlockTable
 
 class CachePolicy(ABC):
     name: str = "base"
+    offers_runs: bool = False
+    """Whether eviction may hand `offer_run` a whole run at once (see `offer_run`)."""
     hears_every_access: bool = True
     """Whether `access` must be called for every reuse of a block with a copy in the tier.
     False for policies whose `access` only re-keys current candidates: the index then skips
@@ -98,6 +100,24 @@ class CachePolicy(ABC):
         self.insert(b)
         return False
 
+    def offer_run(self, run: list[int]) -> int:
+        """`offer` of each block of `run` in turn, while each is taken: a chain leaving the tier
+        leaf by leaf (run[i + 1] is run[i]'s parent, and becomes a leaf once run[i] is gone).
+        Returns how many were taken; the first one not taken (if any) was inserted.
+
+        NOTE: with `offers_runs` set, eviction hands the policy a whole run at once and drops
+        the blocks taken afterwards (core/eviction.py): each run[i] has already lost its child
+        run[i - 1] when it is offered, as one at a time, but the blocks taken before it are
+        still in the table, and the run's later blocks have lost their child too. So a policy
+        sets it only if its `offer(b)` reads nothing of the table but b's own fields and its
+        ancestors' fields other than their children. Otherwise (the default) eviction offers
+        one block at a time and drops each taken block before offering the next."""
+        offer = self.offer
+        for i, b in enumerate(run):
+            if not offer(b):
+                return i
+        return len(run)
+
     def resize(self, capacity_blocks: int) -> None:
         """The tier was resized. Policies that size queues or ghosts from the capacity read
         `capacity_blocks` again (or override this)."""
@@ -123,6 +143,7 @@ class PriorityPolicy(CachePolicy):
 
     _DRAIN = 256
     hears_every_access = False      # access() only re-keys live candidates
+    offers_runs = True              # (set per subclass: __init_subclass__)
     _hooked_evict = False           # a subclass overrides on_evict (set per class)
 
     def __init_subclass__(cls, **kw) -> None:
@@ -141,6 +162,10 @@ class PriorityPolicy(CachePolicy):
             if owner is not CachePolicy and any(getattr(cls, m) is not getattr(owner, m)
                                                 for m in ("insert", "remove", "victim")):
                 cls.offer = CachePolicy.offer
+        if "offers_runs" not in cls.__dict__:
+            # (this class's `offer` reads only b's priority, depth and the heaps; a subclass
+            # whose `priority(b)` reads other blocks' children sets it False)
+            cls.offers_runs = cls.offer is PriorityPolicy.offer
 
     def __init__(self, capacity_blocks: int, **kw) -> None:
         super().__init__(capacity_blocks, **kw)
@@ -235,6 +260,25 @@ class PriorityPolicy(CachePolicy):
         if self._old:
             self._drain()
         return True
+
+    def offer_run(self, run: list[int]) -> int:
+        """`offer` of each block of `run` while each is taken (CachePolicy.offer_run), written
+        out for the priority policies whose `offer` is this class's."""
+        if type(self).offer is not PriorityPolicy.offer:
+            return CachePolicy.offer_run(self, run)
+        priority, depth, hooked = self.priority, self.blocks.depth, self._hooked_evict
+        for i, b in enumerate(run):
+            prio = priority(b)
+            d = -depth[b]
+            top = self._live_top()
+            if top is not None and (top[0] < prio or (top[0] == prio and top[1] <= d)):
+                self._offer_lost(b, prio, d)
+                return i
+            if hooked:
+                self.on_evict(prio, b)
+            if self._old:
+                self._drain()
+        return len(run)
 
     def _live_top(self) -> tuple[float, int, int, int] | None:
         """The entry `victim` would pop next, left in place (None: no candidate); stale tops

@@ -1,11 +1,12 @@
 """`ArrayDuel`: the duel of `duel.Duel`, its shadow state in arrays and its loops compiled.
 
 The same sample, the same mini caches, the same paired scores and the same choices, use by use
-(tests/test_duel_arrays.py replays random streams through both and compares every score, entry
-and resident set); `duel.Duel` with `shadow` stays the readable reference. The adaptive policy
-uses this one: a use of a sampled key costs the reference 3-9 us of interpreted heap and dict
-work under the control-plane lock, here a share of one compiled call per chain (a request's
-sampled keys are handed in together: `hits`, `publish_keys`, `publish_walk`).
+(tests/policies/test_duel_arrays.py replays random streams through both and compares every
+score, entry and resident set); `duel.Duel` with `shadow` stays the readable reference. The
+adaptive policy uses this one: a use of a sampled key costs the reference 3-9 us of
+interpreted heap and dict work under the control-plane lock, here a share of one compiled call
+per chain (a request's sampled keys are handed in together: `hits`, `publish_keys`,
+`publish_walk`).
 
 State (see duel_kernels for the layout): per sampled key a row of an int64 table (its
 history entry, its place in the history's order, its resident value and child count in each
@@ -197,7 +198,9 @@ class ArrayDuel:
     def _grow_slots(self, n: int) -> None:
         S = self._S
         have = S.shape[0]
-        size = max(n, 2 * have)
+        # NOTE: doubling, but never past what the history can hold (hist_limit entries, plus
+        # the k + 1 a trim may keep, plus a call's own new ones: `_grow` asks for those).
+        size = max(n, min(2 * have, self.hist_limit + self._k + 2 + 64))
         new = np.zeros((size, S.shape[1]), np.int64)
         new[:have] = S
         self._S = new
@@ -296,16 +299,16 @@ class ArrayDuel:
         return K.first_announced(self._S, self._T, kb, ints, len(keys))
 
     # -- a chain of blocks (the live policy's loops; see duel_kernels) ----------------------
-    def hit_chain(self, keys: Sequence[bytes], ids: np.ndarray, la: np.ndarray,
+    def hit_chain(self, keys: Sequence[bytes] | bytes, ids: np.ndarray, la: np.ndarray,
                   dep: np.ndarray, start: int, parent: bytes | None, mask: int, stop: int,
                   calls0: int, switched_at: int, cap: int) -> tuple[int, int]:
         """`hit` of the sampled keys among blocks start.. of a reused chain, root first
-        (`ids`; `la`, `dep`: the table's last-use and depth arrays): (the position after
-        whose hit the choice moved off `stop` while the live policy may follow it, else
-        len(keys); the chain's latest last use). See duel_kernels.hit_chain. TypeError,
-        before any change, if a key is None."""
-        n = len(keys)
-        kb = _EMPTY.join(keys)
+        (`ids`, their keys: a list, or joined in one bytes object; `la`, `dep`: the table's
+        last-use and depth arrays): (the position after whose hit the choice moved off `stop`
+        while the live policy may follow it, else len(ids); the chain's latest last use).
+        See duel_kernels.hit_chain. TypeError, before any change, if a key is None."""
+        n = len(ids)
+        kb = keys if type(keys) is bytes else _EMPTY.join(keys)
         if len(kb) != 16 * n:
             raise ValueError("duel keys are 16 bytes")
         phi, plo, pnone = _words(parent)

@@ -2,7 +2,7 @@
 
 Operation for operation the algorithm of `duel.Duel` and `shadow.LruMini` / `shadow.MiniCache`
 (the readable reference, kept beside it and checked against it use by use in
-tests/test_duel_arrays.py); only the containers differ:
+tests/policies/test_duel_arrays.py); only the containers differ:
 
 - a sampled key's history entry is a *slot*: a row of `S` (fields below); the key itself is
   two int64 words (`KHI`, `KLO`: its 16 bytes, big-endian halves) and a slot is found by an
