@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -198,6 +199,43 @@ def test_a_void_copy_is_a_load_error_and_its_steps_saves_are_dropped(engine, ser
     # Nothing of r's step was published: its blocks past the first 200 tokens are absent.
     fresh = FakeRequest("x", t)
     assert engine.sched.lookup(fresh, 0)[0] == 192
+    engine.sched.finished(fresh)
+
+
+def test_a_daemon_lost_under_a_save_copy_unmaps_the_staging_area_after_it(engine, monkeypatch):
+    """The link drops its staging area (daemon lost) on its own thread while a layer's save
+    copy writes into it: the mapping lasts until the copy ends (an unmap under it was a
+    SIGSEGV of the copy thread), and nothing of the step is published."""
+    worker = engine.worker
+    copy = worker._copy_out_retained
+    entered, resume = threading.Event(), threading.Event()
+    seen: list[bool] = []
+    staged = []
+
+    def held_copy(saves, layer):
+        entered.set()
+        assert resume.wait(10)
+        staged.append(worker._staging)
+        seen.append(worker._staging._mmap is not None)     # closed, still mapped
+        copy(saves, layer)
+
+    def lose(w):
+        def drop():
+            entered.wait(10)
+            link = w.link
+            link._lost(link._transport, ConnectionError("test: the daemon went away"))
+            resume.set()
+
+        threading.Thread(target=drop, daemon=True).start()
+
+    monkeypatch.setattr(worker, "_copy_out_retained", held_copy)
+    t = tokens(200, seed=31)
+    engine.serve(FakeRequest("a", t), hook=lose)
+    assert seen and all(seen)
+    assert staged[0]._mmap is None                     # unmapped once the copies ended
+    wait_for(lambda: engine.sched.link.attached and worker.link.attached, "links back")
+    fresh = FakeRequest("b", t)
+    assert engine.sched.lookup(fresh, 0)[0] == 0
     engine.sched.finished(fresh)
 
 

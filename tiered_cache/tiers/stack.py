@@ -237,6 +237,7 @@ def build_stack(config: CacheConfig, role: str, *, hasher: BlockHasher,
                       keyed_specs, stores, keyed_kinds, ctx.costs)
         stack.index = _index(stack)
         stack.executor = _executor(stack)
+        hasher.warm_up()        # NOTE: as the index's chain passes: never inside a request
         for kind, i in stack.tiers()[:len(slot_kinds)]:
             kind.recover(stack, i)
         _workers(stack, ctx)

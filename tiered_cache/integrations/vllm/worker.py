@@ -298,14 +298,17 @@ class WorkerSide:
         pool = link.pool
         if pool is None:
             raise RuntimeError("the daemon's pool is no longer mapped")
-        kv = pool.kv
-        for ld in loads:
-            if ld.gen != link.generation:
-                raise RuntimeError("the daemon connection was replaced during the load")
-            vb, sub = self._targets(ld.op, ld.op.start, ld.got)
-            slots = torch.tensor(ld.slots, dtype=torch.long)
-            for layer in layers:
-                self.views[layer][vb, sub] = self._from_host(kv, slots, layer)
+        # NOTE: retained for the copy: the link closes the pool when the daemon is lost, on
+        # its own thread, and an unmap under the copy is a SIGSEGV (RuntimeError once closed).
+        with pool.retain():
+            kv = pool.kv
+            for ld in loads:
+                if ld.gen != link.generation:
+                    raise RuntimeError("the daemon connection was replaced during the load")
+                vb, sub = self._targets(ld.op, ld.op.start, ld.got)
+                slots = torch.tensor(ld.slots, dtype=torch.long)
+                for layer in layers:
+                    self.views[layer][vb, sub] = self._from_host(kv, slots, layer)
 
     def _from_host(self, kv: torch.Tensor, slots: torch.Tensor, layer: int) -> torch.Tensor:
         """`kv[slots, layer]` (the pool's blocks of one layer) on this worker's device."""
@@ -386,6 +389,10 @@ class WorkerSide:
         self._save_gen = link.generation
 
     def _copy_out(self, saves: list[_Save], layer: int) -> None:
+        with self._staging.retain():        # NOTE: as in _copy_in (the link may close it)
+            self._copy_out_retained(saves, layer)
+
+    def _copy_out_retained(self, saves: list[_Save], layer: int) -> None:
         kv = self._staging.kv
         for s in saves:
             vb, sub = self._targets(s.op, s.op.start, s.op.count)
@@ -483,9 +490,14 @@ class WorkerSide:
         if bad:
             self.counters["copy_errors"] += 1
         elif self._host_writes:
-            kv = self._staging.kv
-            for slots, layer, buf in self._host_writes:
-                kv[slots, layer] = buf
+            try:
+                with self._staging.retain():
+                    kv = self._staging.kv
+                    for slots, layer, buf in self._host_writes:
+                        kv[slots, layer] = buf
+            except RuntimeError:        # the link closed the staging area: nothing is saved
+                bad = True
+                self.counters["copy_errors"] += 1
         missing = len(self._saved_layers) < len(self.views)
         if missing:
             self.counters["layers_missing"] += 1
