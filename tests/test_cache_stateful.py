@@ -248,14 +248,9 @@ class TieredMachine(TensorMachine):
 
     @initialize(gpu=st.integers(6, 10), host=st.integers(4, 10), disk=st.integers(8, 40),
                 stems=pool_st, suffixes=pool_st, policy=st.sampled_from(["lru", "s3fifo"]),
-                write_policy=st.just("write_back"), admit=st.integers(0, 1),
+                write_policy=st.sampled_from(WRITE_POLICIES), admit=st.integers(0, 1),
                 memkv=st.booleans())
     def setup(self, gpu, host, disk, stems, suffixes, policy, write_policy, admit, memkv):
-        # NOTE: write_back only for now. With write_through and the migrator running,
-        # `cache.write` raises CapacityError (after publishing) when the host tier's room is
-        # held by copies under way: Migrator.copy_down (migrator/worker.py) plans with
-        # `moves.plan_copy_down`, whose reserve raises, where the migrator-less path of
-        # `copy_down` catches it. Put WRITE_POLICIES back here once that is fixed.
         self.dir = tempfile.mkdtemp(prefix="tc-sm-")
         tiers = {"disk": {"path": self.dir, "num_blocks": disk, "admit_min_hits": admit}}
         if memkv:
