@@ -297,7 +297,7 @@ def build(setup: str) -> World:
     w.prompts += [(HIT, None), (HALF, None), (FILL, None), (NEW, None),
                   (P1 + [9, 9, 9, 9, 9, 9], "t1")]
     if cache.migrator is not None:
-        cache.migrator.drain()
+        cache.migrator.settle()      # NOTE: quiet, so that every run of `op` takes one path
     return w
 
 
@@ -501,7 +501,16 @@ class LineRecorder(Injector):
 def distinct_lines(setup: str, op: str, mode: str = "sigint"
                    ) -> tuple[int, dict[tuple[str, int], int], set[str]]:
     """Run `op` once (uninterrupted, checked): its line event count, the first event of each
-    distinct line it executes, and the files (modules) those lines are in."""
+    distinct line it executes, and the files (modules) those lines are in.
+
+    NOTE: `op` runs once untraced first: what a process does once (an import at first use, a
+    kernel loaded, a cache of the interpreter's) would otherwise count in the traced run only,
+    and the interrupted runs after it, shorter by that much, would end before their line."""
+    w = build(setup)
+    try:
+        op_fn(w, op)()
+    finally:
+        w.cache.shutdown()
     w = build(setup)
     try:
         rec = LineRecorder(mode)
@@ -533,6 +542,7 @@ def every_line(op: str, mode: str, sample: int | None = None) -> list[Injector]:
     covered: set[tuple[str, int]] = set()
     fired: list[Injector] = []
     tried = 0
+    missed: list[tuple[str, int, int, int]] = []  # (setup, tried, fired, traced run's events)
     for setup in SETUP_ORDER:
         n, first, _ = distinct_lines(setup, op, mode)
         if os.environ.get("TC_INTERRUPT_STRIDE") == "1":
@@ -545,9 +555,11 @@ def every_line(op: str, mode: str, sample: int | None = None) -> list[Injector]:
                 ks = ks[off::step]
         covered |= first.keys()
         tried += len(ks)
-        fired += sweep(setup, op, ks, mode)
+        got = sweep(setup, op, ks, mode)
+        missed.append((setup, len(ks), len(got), n))
+        fired += got
     assert tried >= (50 if sample is None else 4) and len(fired) >= tried - 8, \
-        (tried, len(fired))
+        (tried, len(fired), missed)
     return fired
 
 
