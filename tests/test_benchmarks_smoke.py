@@ -177,3 +177,11 @@ def test_control_plane_peers_says_when_a_peer_is_missing(tmp_path):
             assert peer in data["skipped"] and "skipped" in stdout
     if not data["interpreters"]:
         assert data["rows"] == [] and "no peer importable" in stdout
+
+
+@pytest.mark.slow
+def test_adopt_quick(tmp_path):
+    data, stdout = run_bench("adopt", tmp_path)
+    assert "adopt, us per block" in stdout
+    assert data["benchmark"] == "adopt" and data["quick"] is True
+    assert data["rows"] and all(_positive(r["this_us_per_block"]) for r in data["rows"])
