@@ -129,9 +129,12 @@ def local_link(service, g: Geometry, attach: bool) -> DaemonLink:
                       name="test").start()
 
 
-def socket_link(path: str, g: Geometry, attach: bool, timeout_s: float = 5.0) -> DaemonLink:
+def socket_link(path: str, g: Geometry, attach: bool, timeout_s: float = 5.0,
+                wait_s: float = 5.0) -> DaemonLink:
+    """A link over the daemon's socket, started; `wait_s`: how long to wait for it to attach
+    (0 where the test expects it not to: its first attempt runs in `start` anyway)."""
     return DaemonLink(lambda: SocketTransport(path, timeout_s), g, attach=attach,
-                      timeout_s=timeout_s, name="test").start(wait_s=5.0)
+                      timeout_s=timeout_s, name="test").start(wait_s=wait_s)
 
 
 class MiniEngine:

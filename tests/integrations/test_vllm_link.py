@@ -32,7 +32,7 @@ def test_a_daemon_of_another_geometry_is_refused_with_the_sections_it_needs(tmp_
     svc = service(tmp_path, geometry(block_size=32))
     try:
         link = socket_link(svc.config.daemon.socket, geometry(block_size=16), attach=True,
-                           timeout_s=2.0)
+                           timeout_s=2.0, wait_s=0)
         assert not link.attached
         assert "block_size: 16" in link.last_error and "num_kv_heads" in link.last_error
         assert link.counters["attach_failures"] >= 1

@@ -242,7 +242,7 @@ def test_a_daemon_lost_under_a_save_copy_unmaps_the_staging_area_after_it(engine
 def test_a_daemon_gone_is_a_miss_at_once(tmp_path):
     """An external daemon that is not running: lookups miss without waiting."""
     g = geometry()
-    link = socket_link(str(tmp_path / "nobody.sock"), g, attach=False, timeout_s=0.2)
+    link = socket_link(str(tmp_path / "nobody.sock"), g, attach=False, timeout_s=0.2, wait_s=0)
     sched = SchedulerSide(g, ConnectorSettings(lookup_deadline_ms=5), link)
     assert sched.lookup(FakeRequest("a", tokens(200)), 0) == (0, False)
     assert sched.counters["daemon_away"] == 1
