@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,19 +85,16 @@ def measure(n_blocks: int, n_chains: int, repeats: int, policy: str) -> dict:
             part.close()
 
 
-def child(root: str, args: list[str]) -> list[dict]:
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child-root", root,
-                           *args], capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"child ({root}) failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
-    from common import default_out, environment, import_checkout, print_table, write_json
+    from common import (
+        checkout_child,
+        default_out,
+        environment,
+        import_checkout,
+        print_table,
+        write_json,
+    )
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (seconds)")
@@ -128,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     best: dict[tuple[str, int], float] = {}
     for _ in range(1 if args.quick else args.rounds):
         for label, root in checkouts:
-            for r in child(root, common):
+            env = dict(os.environ)
+            env.pop("PYTHONPATH", None)
+            for r in checkout_child(Path(__file__).resolve(), ["--child-root", root, *common],
+                                    env=env, timeout=1800):
                 k = (label, r["blocks_per_chain"])
                 best[k] = min(best.get(k, float("inf")), r["us_per_block"])
     rows = []

@@ -171,6 +171,22 @@ def import_checkout(root: str | os.PathLike) -> None:
         setattr(tiered_cache, sub, mod)
 
 
+def checkout_child(script: str | os.PathLike, args: Sequence[str], *,
+                   python: str = sys.executable, env: dict | None = None,
+                   cwd: str | None = None, timeout: float = 3600) -> Any:
+    """Run `python script *args` (a benchmark's child mode, typically measuring another
+    checkout through `import_checkout`) and return the JSON on the last line it printed.
+    A child that fails stops the benchmark with the end of its stderr."""
+    import subprocess
+
+    proc = subprocess.run([python, str(script), *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"child {python} {script} {' '.join(args)} failed:\n"
+                         f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def default_out(name: str) -> str:
     """``results/<name>.json`` under the repository root."""
     return str(RESULTS / f"{name}.json")

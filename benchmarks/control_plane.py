@@ -59,7 +59,13 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, import_checkout, print_table, write_json  # noqa: E402
+from common import (  # noqa: E402
+    checkout_child,
+    environment,
+    import_checkout,
+    print_table,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from tiered_cache import TieredKVCache
@@ -317,8 +323,6 @@ def memory_child(n_blocks: int, policy: str) -> dict:
 
 def memory(sizes: list[int], repo: str | None, out: str, policy: str = "adaptive",
            root: str | None = None) -> dict:
-    import subprocess
-
     rows = []
     checkouts = [("this", str(Path(root or Path(__file__).resolve().parent.parent)))]
     if repo:
@@ -327,12 +331,8 @@ def memory(sizes: list[int], repo: str | None, out: str, policy: str = "adaptive
         for n in sizes:
             row = {}
             for mode in ("--memory-child", "--rss-child"):
-                proc = subprocess.run([sys.executable, __file__, mode, str(n), "--policy",
-                                       policy, "--root", root], capture_output=True,
-                                      text=True, cwd=root, timeout=3600)
-                if proc.returncode != 0:
-                    raise SystemExit(f"{label} ({root}), {n} blocks: {proc.stderr[-2000:]}")
-                row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+                row.update(checkout_child(__file__, [mode, str(n), "--policy", policy,
+                                                     "--root", root], cwd=root))
             rows.append({"checkout": label, "path": root, **row,
                          "meets_300": row["bytes_per_block"] <= 300,
                          "rss_meets_300": row["rss_bytes_per_block"] <= 300})

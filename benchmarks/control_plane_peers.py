@@ -392,12 +392,10 @@ def child(python: str, root: str, args: list[str]) -> list[dict]:
 
     tag = hashlib.sha1(python.encode()).hexdigest()[:12]
     env.setdefault("NUMBA_CACHE_DIR", str(ROOT / "results" / ".numba" / tag))
-    proc = subprocess.run([python, str(Path(__file__).resolve()), "--child-root", root, *args],
-                          capture_output=True, text=True, env=env, timeout=7200)
-    if proc.returncode != 0:
-        raise SystemExit(f"child {python} {' '.join(args)} ({root}) failed:\n"
-                         f"{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from common import checkout_child
+
+    return checkout_child(Path(__file__).resolve(), ["--child-root", root, *args],
+                          python=python, env=env, timeout=7200)
 
 
 def main(argv: list[str] | None = None) -> dict:
