@@ -661,3 +661,76 @@ def test_fuzzed_page_requests_decode_within_bounds_or_fail_typed(raw):
         assert isinstance(p, bytes) and 1 <= len(p) <= 64
     for e in f.get("entries", []):
         assert set(e) == {"slot", "key"} and 0 <= e["slot"] < 2**31
+
+
+# --- the plain-struct fast path (publish entries) ---------------------------------------------
+
+def _general(item):
+    """`item` with its fast path turned off: the general, field-by-field path."""
+    from tiered_cache.wire.protocol import Struct
+    slow = Struct(item.fields)
+    object.__setattr__(slow, "plain", None)
+    return slow
+
+
+_FIELD_VALUES = (st.integers(-3, 2**31 + 3) | st.booleans() | st.none() | st.floats(0, 9)
+                 | st.binary(max_size=70) | st.builds(np.int64, st.integers(0, 99))
+                 | st.builds(bytearray, st.binary(max_size=20)))
+
+
+@st.composite
+def _entries(draw):
+    from tiered_cache.wire.ops import ENTRY
+    names = list(ENTRY.fields)
+    good = {"slot": 3, "key": b"k" * 16, "parent": b"p" * 16, "depth": 2,
+            "tokens": b"t" * 64, "hits": 0}
+    out = []
+    for _ in range(draw(st.integers(0, 5))):
+        e = dict(good)
+        for _ in range(draw(st.integers(0, 2))):
+            change = draw(st.sampled_from(("set", "drop", "add")))
+            name = draw(st.sampled_from(names))
+            if change == "set":
+                e[name] = draw(_FIELD_VALUES)
+            elif change == "drop":
+                e.pop(name, None)
+            else:
+                e[draw(st.sampled_from(("x", "slot2")))] = 1
+        out.append(e if draw(st.integers(0, 20)) else draw(st.sampled_from((None, 7, [e]))))
+    return out
+
+
+def _outcome(fn, value):
+    try:
+        return ("ok", fn(value, "publish.entries"))
+    except SchemaError as exc:
+        return ("error", str(exc))
+
+
+@given(_entries(), st.booleans())
+@settings(max_examples=400, deadline=None)
+def test_plain_fast_path_agrees_with_the_general_path(entries, pack):
+    """Whatever the entries, the fast path gives the general path's result (equal values,
+    numpy ints converted) or its error (the same message, naming the same field)."""
+    from tiered_cache.wire.ops import ENTRY, MAX_BLOCKS
+    fast = ListOf(ENTRY, MAX_BLOCKS, 1)
+    slow = ListOf(_general(ENTRY), MAX_BLOCKS, 1)
+    if pack:
+        assert _outcome(fast.pack, entries) == _outcome(slow.pack, entries)
+    else:
+        assert _outcome(fast.check, entries) == _outcome(slow.check, entries)
+    for e in entries if isinstance(entries, list) else ():
+        assert _outcome(ENTRY.check, e) == _outcome(_general(ENTRY).check, e)
+
+
+def test_plain_fast_path_applies_only_to_int_and_bytes_structs():
+    from tiered_cache.wire.ops import ENTRY
+    from tiered_cache.wire.protocol import Str, Struct
+    assert ENTRY.plain is not None
+    assert Struct({"a": Int(0, 1), "b": Str(4)}).plain is None
+    assert Struct({"a": Int(0, 1), "b": Int(0, 1, optional=True)}).plain is None
+    assert Struct({"a": Int(0, 1)}).plain is None          # one field: no tuple rows
+    entries = [{"slot": 1, "key": b"k" * 16, "parent": b"p" * 16, "depth": 0,
+                "tokens": b"t" * 64, "hits": 0}]
+    assert ENTRY.plain(entries) and not ENTRY.plain([dict(entries[0], depth=True)])
+    assert not ENTRY.plain([dict(entries[0], tokens=bytearray(64))])
