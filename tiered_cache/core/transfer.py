@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,11 +27,13 @@ class Transfer:
                                     # fetch handle), released by the handler once copied
 
 
-@dataclass(frozen=True, slots=True)
-class RecordMeta:
+class RecordMeta(NamedTuple):
     """What a persistent tier writes beside a block's KV (tiered_cache.records): its key, its
     parent's key (the root key at depth 0), the root key (namespace + adapter + tenant), depth,
-    token ids (int32 bytes) and use count. Taken under the lock when the move is planned."""
+    token ids (int32 bytes) and use count. Taken under the lock when the move is planned.
+
+    NOTE: a NamedTuple (immutable, built in C): the daemon makes one per published block, and
+    a frozen dataclass's __init__ cost ~1 us of a ~2 us adopt."""
 
     key: bytes
     parent: bytes
