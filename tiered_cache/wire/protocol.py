@@ -397,6 +397,7 @@ class MapOf(Field):
 
 Schema = Mapping[str, Field]
 
+
 def _plain_check(fields: Mapping[str, Field]) -> Callable[[list[Any]], bool] | None:
     """For a struct of required Int and Bytes fields only (None for any other): a predicate
     over a list of values that is True when each is a dict of exactly those names, each an
