@@ -51,7 +51,9 @@ from tiered_cache.wire.protocol import (
 
 MAX_FRAME = 4096            # the fuzzed daemon's limit: small, so oversized frames are cheap
 PROTO = make_protocol(MAX_FRAME)
-SAFE_OPS = ("ping", "echo", "whoami", "peers", "stats", "events")
+# NOTE: not "events": its reply lists every connection the module's fuzzed daemon has seen, and
+# past ~150 of them it no longer fits MAX_FRAME (an error reply, correctly: a flaky fuzz case).
+SAFE_OPS = ("ping", "echo", "whoami", "peers", "stats")
 
 ECHO = {"n": -(2**63), "f": 1.5, "s": "héllo", "b": b"\x00\xff" * 7, "flag": False,
         "ints": [-(2**31), 0, 2**31 - 1], "tokens": np.arange(500, dtype=np.int64),
