@@ -398,10 +398,12 @@ def test_forged_and_malformed_publishes_are_refused_and_change_nothing(node):
     toks = np.arange(50, 50 + BLOCK, dtype="<i4").tobytes()
     forged = {"slot": 0, "key": b"k" * 16, "parent": root, "depth": 0, "tokens": toks, "hits": 0}
     assert c.call("publish", root=root, entries=[forged])["taken"] == [0]
-    for bad, why in (({**forged, "slot": n_staging}, "staging"),
-                     ({**forged, "tokens": toks[:-4]}, "tokens")):
+    for bad, why in (([{**forged, "slot": n_staging}], "staging"),
+                     ([{**forged, "tokens": toks[:-4]}], "tokens"),
+                     ([forged, {**forged, "depth": 1}], "entries[1].slot"),     # repeated
+                     ([{**forged, "depth": 1}, {**forged, "slot": 1}], "entries[1].depth")):
         with pytest.raises(Exception) as info:
-            c.call("publish", root=root, entries=[bad])
+            c.call("publish", root=root, entries=bad)
         assert info.value.wire_type == "bad_entry" and why in str(info.value)
     s = stats(sock)["partition"]
     assert s["cached_blocks"] == 0 and s["tiers"]["host"]["used_blocks"] == 0
