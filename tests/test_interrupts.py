@@ -159,17 +159,22 @@ def _unreachable(code, offset: int) -> bool:
 
     NOTE: only a trace function can raise at a line event; signal handlers and
     `PyThreadState_SetAsyncExc` run at the eval loop's checks (calls, backward jumps), so a
-    real one lands between a call's return and the next instruction. Three line events of
-    CPython 3.11 start with instructions that are no such point, and an exception raised there
-    skips a `with`'s `__exit__`: a `try:` line (one NOP, left out of the enclosing `with`'s
-    exception range) and a `with` line's exit (`LOAD_CONST None` x3 before the call of
-    `__exit__`, outside the range too: the lock of `with lock:` would stay held), and the same
+    real one lands between a call's return and the next instruction (its exception is raised
+    at the call's offset, inside the call's exception range). Three line events of CPython 3.11
+    start with instructions that are no such point, and an exception raised there skips a
+    `with`'s `__exit__`: a `try:` line (one NOP, left out of the enclosing `with`'s exception
+    range) and a `with` line's exit (`LOAD_CONST None` x3 before the call of `__exit__`, after
+    a SWAP that keeps a `return`'s value below the exit when the block returns; outside the
+    range too: the lock of `with atomic(), lock: return ...` would stay held), and the same
     line's exception path (PUSH_EXC_INFO before `__exit__` is called with the exception). None
     is a window for a signal: the call of `__exit__` is the first check point there."""
     key = (code, offset)
     hit = _UNREACHABLE.get(key)
     if hit is None:
-        ins = [i for i in dis.get_instructions(code) if i.offset >= offset][:4]
+        ins = [i for i in dis.get_instructions(code) if i.offset >= offset]
+        while ins and ins[0].opname == "SWAP":
+            ins = ins[1:]
+        ins = ins[:4]
         hit = bool(ins) and (ins[0].opname in ("NOP", "PUSH_EXC_INFO") or (
             len(ins) == 4 and all(i.opname == "LOAD_CONST" and i.argval is None
                                   for i in ins[:3])

@@ -262,9 +262,11 @@ while True:
     seq = cache.open(tokens)
     write_pattern_all(cache, seq)
     cache.close(seq)
-    # NOTE: "running" once the disk holds blocks: on a loaded machine the migrator may not
-    # have written any by prompt 30, and a kill then (delay 0) would leave nothing to recover.
-    if not said and i >= 30 and cache.stats()["tiers"]["disk"]["used_blocks"] > 0:
+    # NOTE: "running" once the disk pool has written records: on a loaded machine the
+    # migrator may not have written any by prompt 30, and a kill then (delay 0) would leave
+    # nothing to recover. Its used_blocks is no sign: it counts the slots of writes under way.
+    if not said and i >= 30 and \
+            cache.stats()["tiers"]["disk"]["pool"]["records_written"] > 0:
         print("running", flush=True)
         said = True
     i += 1
