@@ -23,6 +23,7 @@ logged, counted (`ThreadHealth`), its plan committed as failed, and the thread c
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -330,11 +331,12 @@ class Migrator:
         """Demote tier `src` above the high watermark down to the low one, batch by batch,
         into the tier below it.
 
-        NOTE: pipelined: while batch k copies on the copier thread, this thread plans batch
-        k + 1 (starting from the chain parents batch k leaves behind, see
-        moves.plan_demotion), then commits k as soon as it lands and starts k + 1, so planning
-        hides behind the copies. One batch copies at a time; the blocks of a batch in flight
-        still hold slots, so they are subtracted from the excess.
+        NOTE: pipelined two deep: while batch k copies on the copier thread, batch k + 1 is
+        planned (from the chain parents batch k leaves behind, see moves.plan_demotion) and
+        queued behind it, so the copier goes from k to k + 1 without waiting for this
+        thread; this thread commits k as soon as it lands, then plans k + 2 while k + 1
+        copies. One batch copies at a time; the blocks of the batches in flight still hold
+        slots, so they are subtracted from the excess (`_plan_demotion`).
         """
         copier = ThreadPoolExecutor(max_workers=1,
                                     thread_name_prefix=f"{threading.current_thread().name}-copy")
@@ -377,37 +379,40 @@ class Migrator:
         finally:
             copier.shutdown(wait=True)
 
+    _DEPTH = 2      # demotion batches in flight at once: one copying, one queued behind it
+
     def _demote_round(self, src: int, copier: ThreadPoolExecutor, copy) -> None:
         idx = self.index
-        pending: tuple[list[Transfer], Future] | None = None
+        pending: collections.deque[tuple[list[Transfer], Future]] = collections.deque()
         try:
             while True:
-                plan = None
-                if not self._stop.is_set():
-                    plan = self._plan_demotion(src, pending[0] if pending else None)
-                if pending is not None:
-                    error = pending[1].result()
-                    batch, pending = pending[0], None
-                    moves.commit_demotion(idx, batch, error is None)
-                    if error is None and src == 0:
-                        self.put_remote([t.block for t in batch])
-                    if not plan:
-                        continue        # parents of the batch just committed may be
-                                        # candidates now: plan again
-                if not plan:
+                if len(pending) < self._DEPTH and not self._stop.is_set():
+                    plan = self._plan_demotion(src, [p for p, _ in pending])
+                    if plan:
+                        pending.append((plan, copier.submit(copy, plan)))
+                        continue
+                if not pending:
                     break
-                pending = (plan, copier.submit(copy, plan))
+                # Parents of the batch committed here may be candidates now: the loop plans
+                # again before it stops.
+                batch, fut = pending[0]
+                error = fut.result()
+                pending.popleft()
+                moves.commit_demotion(idx, batch, error is None)
+                if error is None and src == 0:
+                    self.put_remote([t.block for t in batch])
         finally:
-            # NOTE: an exception above must not strand a batch in flight: wait for its copy
-            # and commit it, so its blocks and reserved slots come back.
-            if pending is not None:
-                fut = pending[1]
+            # NOTE: an exception above must not strand a batch in flight: wait for each copy
+            # and commit it, in order, so its blocks and reserved slots come back.
+            while pending:
+                batch, fut = pending.popleft()
                 failed = fut.exception() is not None or fut.result() is not None
-                moves.commit_demotion(idx, pending[0], not failed)
+                moves.commit_demotion(idx, batch, not failed)
 
-    def _plan_demotion(self, src: int, pending: list[Transfer] | None) -> list[Transfer] | None:
+    def _plan_demotion(self, src: int, pending: list[list[Transfer]]) -> list[Transfer] | None:
         """The next demotion batch of tier `src`, or None when its watermark is met (the
-        blocks of the `pending` batch, not committed yet, are already on their way)."""
+        blocks of the `pending` batches, not committed yet, are already on their way; the
+        newest one's chain parents come first)."""
         cfg = self.config
         idx = self.index
         if self._paused[src] > time.monotonic():
@@ -420,7 +425,7 @@ class Migrator:
                 return None
             tier = idx.tiers[src]
             cap = tier.capacity_blocks
-            in_flight = len(pending) if pending else 0
+            in_flight = sum(map(len, pending))
             used = tier.used_blocks - in_flight
             floor = int(cfg.low_watermark * cap)
             due = used > cfg.high_watermark * cap
@@ -435,7 +440,7 @@ class Migrator:
                 return None
             self._lowering[src] = True
             plan = moves.plan_demotion(idx, src, src + 1, min(excess, cfg.batch_blocks),
-                                       pending)
+                                       pending[-1] if pending else None)
             if not plan and not in_flight:
                 self._lowering[src] = False     # everything left is pinned: nothing to demote
             return plan

@@ -427,6 +427,65 @@ def test_demotion_batches_of_one_long_chain_pipeline_in_chain_order():
     cache.shutdown()
 
 
+def test_the_demoter_queues_the_next_batch_behind_the_one_copying():
+    """Two demotion batches in flight: the next is planned and queued while one copies (the
+    copier never waits for the demoter's commit); each is committed once, in order, by its
+    own outcome: a failed first batch leaves its blocks where they were (planned again once
+    it is committed), the second moves."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cache = make(16, 64, migrator={"high_watermark": 0.5, "low_watermark": 0.1,
+                                   "batch_blocks": 2})
+    try:
+        prompts = [[i * 100 + j for j in range(2 * BS)] for i in range(6)]
+        mig = cache.migrator
+        mig.stop()                                  # the rounds by hand below
+        for p in prompts:                           # 12 of 16 device blocks
+            cache_prompt(cache, p)
+        mig._stop.clear()
+        mig._lowering[0] = True
+        submitted: list[list] = []
+        copier = ThreadPoolExecutor(max_workers=1)
+        real_submit = copier.submit
+
+        def submit(fn, plan):
+            submitted.append(plan)
+            return real_submit(fn, plan)
+        copier.submit = submit
+        seen: list[int] = []
+
+        def copy(plan):
+            if not seen:                            # the first waits for the second to queue
+                deadline = time.monotonic() + 10
+                while len(submitted) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.001)
+            seen.append(len(submitted))
+            if len(seen) == 1:
+                return TransferError("injected failure of the first batch")
+            cache.executor.run(plan)
+            return None
+        mig._demote_round(0, copier, copy)
+        copier.shutdown()
+        assert seen[0] == 2, "the second batch was not queued while the first copied"
+        first = {t.block for t in submitted[0]}
+        moved = [t.block for plan in submitted[1:] for t in plan]
+        assert len(set(moved)) == len(moved), "a block was in two batches in flight"
+        assert not first & {t.block for t in submitted[1]}
+        assert first <= set(moved), "the failed batch's blocks were not demoted later"
+        assert cache.stats()["demotions"] == len(moved)
+        assert cache.tiers[0].used_blocks <= 0.1 * 16 + 2
+        mig._stop.set()
+        check_invariants(cache)
+        for p in prompts:                           # every prompt whole, wherever it is
+            seq = cache.open(p)
+            assert seq.num_cached_tokens == len(p)
+            check_data(cache, seq, p)
+            cache.close(seq)
+        check_invariants(cache)
+    finally:
+        cache.shutdown()
+
+
 @pytest.mark.parametrize("cap, floor, used, demand, batch, want", [
     # a small tier: the watermarks leave 2 free (8 at 0.9/0.8) for 2-block requests: keep 4
     (8, 6, 5, 2, 64, (4, True)),
@@ -477,11 +536,11 @@ def test_no_demotion_batch_starts_while_a_request_waits_for_copies():
             space.waiting += 1
         try:
             mig._lowering[0] = False
-            assert mig._plan_demotion(0, None) is None
+            assert mig._plan_demotion(0, []) is None
         finally:
             with cache.locked():
                 space.waiting -= 1
-        plan = mig._plan_demotion(0, None)
+        plan = mig._plan_demotion(0, [])
         assert plan                                 # above the watermark: a batch
         from tiered_cache.core import moves
 
