@@ -233,6 +233,27 @@ def test_copies_below_the_cache_size_do_not_stream(monkeypatch):
     assert seen == ["words", "words"]
 
 
+@pytest.mark.parametrize("caches, want", [
+    # a 2-vCPU VM of a large Xeon: the host's 480 MiB L3, shared by the VM's two CPUs
+    ([("48K", "0"), ("2048K", "0"), ("491520K", "0-1")], 16 << 20),
+    ([("32K", "0"), ("1024K", "0-1"), ("16384K", "0-7")], 16 << 20),    # 2 MiB a CPU: as is
+    ([("256M", None)], 8 << 20),        # nobody says who shares it: one CPU's worth
+    ([("64M", "0-3,8,10-11")], 56 << 20),
+    ([], 32 << 20),                     # unknown
+])
+def test_the_shared_cache_counts_at_most_8_mib_per_cpu_sharing_it(tmp_path, caches, want):
+    """(A VM reporting its host's whole L3 kept every 32 MiB demotion batch on cached stores.)"""
+    from tiered_cache.kernels import streaming
+
+    for i, (size, shared) in enumerate(caches):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "size").write_text(size + "\n")
+        if shared is not None:
+            (d / "shared_cpu_list").write_text(shared + "\n")
+    assert streaming._shared_cache_bytes(str(tmp_path)) == want
+
+
 @pytest.mark.slow                       # copies more than the real threshold, interpreted
 def test_a_copy_larger_than_the_cache_streams_with_the_real_threshold(monkeypatch):
     """24 MiB out and back at the real threshold (x86-64: streaming stores), byte for byte."""
