@@ -50,8 +50,8 @@ def _shared_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int
 
     NOTE: capped because a VM reports its host's whole L3 (480 MiB on a 2-vCPU VM of a
     large Xeon) while it gets a sliver of it: glibc's rule over the reported size kept every
-    demotion batch (32 MiB) on cached stores there, at 0.63 of `copy_` end to end against
-    0.80 streamed (benchmarks/migration.py, e2e rows)."""
+    demotion batch (32 MiB) on cached stores there, at 0.53-0.68 of `copy_` end to end
+    against 0.73-0.85 streamed (benchmarks/migration.py, e2e rows)."""
     sizes = []
     for entry in glob.glob(f"{root}/index*"):
         try:
