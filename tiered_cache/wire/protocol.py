@@ -341,21 +341,17 @@ class Struct(Field):
     fields: Mapping[str, Field]
 
     def __post_init__(self) -> None:
-        # Not a dataclass field: equality and repr stay those of the schema.
+        # Not a dataclass field: equality and repr stay those of the schema. Used by ListOf
+        # (a list of plain structs is checked column by column); one struct alone gains
+        # nothing from it.
         object.__setattr__(self, "plain", _plain_check(self.fields))
 
     def check(self, value: Any, where: str) -> dict[str, Any]:
-        plain = self.plain
-        if plain is not None and plain([value]):
-            return value
         if type(value) is not dict:
             raise SchemaError(f"{where}: expected a map, got {_type_name(value)}")
         return check_fields(self.fields, value, where)
 
     def pack(self, value: Any, where: str) -> dict[str, Any]:
-        plain = self.plain
-        if plain is not None and plain([value]):
-            return value
         if not isinstance(value, Mapping):
             raise SchemaError(f"{where}: expected a map, got {_type_name(value)}")
         return pack_fields(self.fields, value, where)
