@@ -82,6 +82,29 @@ def test_verify(seed, tiers):
                              first, rid, tokens) == good
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_ancestors(seed):
+    """A forest of chains (each parent an earlier row): the chain of n blocks ending at b,
+    root first, as the parents give it, or False when b has fewer than n - 1 ancestors."""
+    rng = random.Random(seed)
+    t = BlockTable(1, BS, 40)
+    for b in range(40):
+        t.parent[b] = rng.choice([NO_BLOCK, rng.randrange(b)]) if b else NO_BLOCK
+    b = rng.randrange(40)
+    walk = []
+    x = b
+    while x != NO_BLOCK:
+        walk.append(x)
+        x = t.parent[x]
+    walk.reverse()
+    for n in range(1, len(walk) + 3):
+        out = np.full(n, -7, dtype=np.intp)
+        ok = chains.ancestors(t.view("parent"), b, n, out)
+        assert ok == (n <= len(walk))
+        if ok:
+            assert out.tolist() == walk[len(walk) - n:]
+
+
 @pytest.mark.parametrize("seed,tiers", CASES)
 def test_survey_pin_touch(seed, tiers):
     rng = random.Random(seed)

@@ -50,6 +50,19 @@ def verify(ids, parent, root_id, stored, want, bs, first_parent, rid, tokens):
 
 
 @njit(cache=True)
+def ancestors(parent, b, n, out):
+    """out[:n]: block b's chain of n blocks ending at it, root first (out[n - 1] = b, each
+    one before it the parent of the next). False, with out partly written, if b has fewer
+    than n - 1 ancestors."""
+    for i in range(n - 1, -1, -1):
+        if b == NO_BLOCK:
+            return False
+        out[i] = b
+        b = parent[b]
+    return True
+
+
+@njit(cache=True)
 def survey(ids, ref, slots, copies, refs):
     """Per tier t, copies[t, i]: block ids[i] has a copy in tier t; refs[i]: its ref count.
     Returns (pinned: how many have ref > 0, on_dev: how many have a device copy, pinning:
@@ -241,6 +254,7 @@ def warm_up(num_tiers: int) -> None:
     kids = tuple(t.view("resident_children", i) for i in range(num_tiers))
     want = np.zeros(4, np.int32)
     verify(ids, t.view("parent"), t.view("root_id"), t.tokens, want, 2, -1, 0, True)
+    ancestors(t.view("parent"), 0, 1, np.zeros(1, np.intp))
     copies = np.zeros((num_tiers, 2), np.bool_)
     refs = np.zeros(2, np.int32)
     survey(ids, t.view("ref_count"), slots, copies, refs)

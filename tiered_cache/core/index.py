@@ -392,7 +392,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         matched: list[int] = []
         keys: list[bytes] = []
         if self.hasher.compiled:
-            self._match_keys(key, tokens, 0, get, keys.append, matched.append)
+            self._match_keys(key, tokens, 0, keys, matched)
         else:
             nbytes = bs * 4
             data = tokens.tobytes()
@@ -730,11 +730,10 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         bs = self.block_size
         matched: list[int] = []
         keys = seq.keys
-        get = self.prefix.get
-        add_key, add_block = keys.append, matched.append
         if self.hasher.compiled:
-            self._match_keys(seq.root, tokens, 0, get, add_key, add_block)
+            self._match_keys(seq.root, tokens, 0, keys, matched)
         else:
+            get = self.prefix.get
             nbytes = bs * 4
             data = tokens.tobytes()
             key, h = seq.root, self.hasher.hash_fn
@@ -743,8 +742,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                 b = get(key)
                 if b is None:
                     break
-                add_key(key)
-                add_block(b)
+                keys.append(key)
+                matched.append(b)
         if not matched:
             return matched, _NO_IDS
         ids = np.asarray(matched, dtype=np.intp)
@@ -759,23 +758,47 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
     _CHUNK = 64
     """Keys computed per compiled call of a match's first round; each later round doubles."""
 
-    def _match_keys(self, key: bytes, tokens: np.ndarray, first: int, get, add_key,
-                    add_block, want=None) -> None:
-        """The key match of blocks first.. of `tokens` after the block keyed `key`, with the
-        keys computed in compiled rounds (`BlockHasher.keys`): 64 blocks, then twice as many
-        each round, so a long prompt with a short cached prefix hashes about as far as its
-        match reaches (at most twice, and 64 blocks). `want(b)`: a further test a found block
-        must pass (False: the match ends there)."""
+    def _match_keys(self, key: bytes, tokens: np.ndarray, first: int, keys: list[bytes],
+                    matched: list[int]) -> None:
+        """The key match of blocks first.. of `tokens` after the block keyed `key`, appended
+        to `keys` and `matched`, with the keys computed in compiled rounds
+        (`BlockHasher.keys`): 64 blocks, then twice as many each round, so a long prompt with
+        a short cached prefix hashes about as far as its match reaches (at most twice, and 64
+        blocks).
+
+        NOTE: a round looks up the deepest of its keys first and, when that block is in the
+        index, takes the chain above it from the parents (`chains.ancestors`): a published
+        block's parent is published (invariant 3), so the whole round hits with one lookup,
+        not one per block. The chain is kept only if every block's stored key is the round's
+        key at its place (one comparison of the joined keys), exactly what the lookup of
+        each key would have found (`prefix[key[b]] == b`); otherwise, and for a round that
+        ends in a miss, its keys are looked up one by one up to the first miss."""
+        get = self.prefix.get
+        key_of = self.blocks.key
         keys_of = self.hasher.keys
         n = len(tokens) // self.block_size
         chunk = self._CHUNK
         while first < n:
             m = min(chunk, n - first)
             kb = keys_of(key, tokens, first, m)
+            b = get(kb[16 * m - 16:])
+            if b is not None:
+                out = np.empty(m, dtype=np.intp)
+                if chains.ancestors(self.blocks.view("parent"), b, m, out):
+                    ids = out.tolist()
+                    stored = list(map(key_of.__getitem__, ids))
+                    if None not in stored and b"".join(stored) == kb:
+                        keys += stored
+                        matched += ids
+                        key = stored[-1]
+                        first += m
+                        chunk *= 2
+                        continue
+            add_key, add_block = keys.append, matched.append
             for off in range(0, 16 * m, 16):
                 key = kb[off:off + 16]
                 b = get(key)
-                if b is None or (want is not None and not want(b)):
+                if b is None:
                     return
                 add_key(key)
                 add_block(b)

@@ -1,0 +1,101 @@
+"""The prefix match of core/index.py (`_match_keys`): compiled key rounds, each looked up from its
+deepest key and its chain taken from the parents, checked against a lookup of every key."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from tests.helpers import make_cache
+from tiered_cache.core.invariants import check_invariants
+
+BS = 4
+
+
+def reference_match(cache, prompt: np.ndarray) -> list[int]:
+    """The plain match: every block's chained key looked up in turn, up to the first miss,
+    each found block the child of the one before it."""
+    idx = cache.index
+    root = idx.hasher.root(None)[0]
+    out: list[int] = []
+    parent = -1
+    for key in idx.hasher.chain(root, prompt):
+        b = idx.prefix.get(key)
+        if b is None or idx.blocks.parent[b] != parent:
+            break
+        out.append(b)
+        parent = b
+    return out
+
+
+def publish(cache, prompt: np.ndarray) -> list[int]:
+    s = cache.open(prompt)
+    cache.mark_computed(s)
+    blocks = list(s.blocks)
+    cache.close(s)
+    return blocks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_match_equals_a_lookup_of_every_key(seed):
+    """Prompts of up to 300 blocks (rounds of 64, 128, 256 keys) sharing prefixes of every
+    length, including a round's edges: every open matches exactly what the per-key lookup
+    finds, and the same ids."""
+    rng = random.Random(seed)
+    cache = make_cache(storage="none", gpu_blocks=4096, host_blocks=0, block_size=BS)
+    base = np.arange(300 * BS, dtype=np.int32) + 1000
+    publish(cache, base)
+    cuts = [0, 1, 2, 63, 64, 65, 127, 128, 191, 192, 193, 255, 256, 299, 300]
+    cuts += [rng.randrange(300) for _ in range(10)]
+    for cut in cuts:
+        p = base.copy()
+        if cut < 300:
+            p[cut * BS + rng.randrange(BS)] = 7          # diverges in block `cut`
+        want = reference_match(cache, p)
+        assert len(want) == cut
+        s = cache.open(p)
+        assert s.blocks[:s.num_cached_tokens // BS] == want
+        assert s.num_cached_tokens == BS * cut
+        cache.mark_computed(s)
+        cache.close(s)
+    check_invariants(cache)
+    again = cache.open(base)
+    assert again.num_cached_tokens == 300 * BS
+    cache.close(again)
+
+
+@pytest.mark.parametrize("verify_tokens", [True, False])
+def test_a_deepest_key_naming_another_chain_is_not_taken(verify_tokens, monkeypatch):
+    """Prompt B's last key made equal to prompt A's (a collision of the deepest key of a
+    round): the chain above A's block is A's, whose keys are not B's, so B matches only what
+    its own keys find, with token verification or without."""
+    cache = make_cache(storage="none", gpu_blocks=1024, host_blocks=0, block_size=BS,
+                       verify_tokens=verify_tokens)
+    a = np.arange(40 * BS, dtype=np.int32) + 10
+    b = a.copy()
+    b[:BS] += 5000                                      # B shares nothing with A
+    a_blocks = publish(cache, a)
+    idx = cache.index
+    genuine = idx.hasher.keys
+    a_last = genuine(idx.hasher.root(None)[0], a, 0, 40)[-16:]
+    b_bytes = b.tobytes()
+
+    def keys(parent, tokens, first, n):
+        kb = genuine(parent, tokens, first, n)
+        if tokens[first * BS:(first + n) * BS].tobytes() == b_bytes[first * 4 * BS:
+                                                                    (first + n) * 4 * BS]:
+            kb = kb[:-16] + a_last                      # B's deepest key collides with A's
+        return kb
+
+    monkeypatch.setattr(idx.hasher, "keys", keys)
+    s = cache.open(b)
+    assert s.num_cached_tokens == 0
+    assert not set(s.blocks) & set(a_blocks)
+    cache.close(s)
+    monkeypatch.undo()
+    again = cache.open(a)
+    assert again.blocks == a_blocks
+    cache.close(again)
+    check_invariants(cache)
