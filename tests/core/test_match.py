@@ -38,13 +38,15 @@ def publish(cache, prompt: np.ndarray) -> list[int]:
     return blocks
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_the_match_equals_a_lookup_of_every_key(seed):
+@pytest.mark.parametrize("seed,policy", [(0, "lru"), (1, "lru"), (2, "adaptive"),
+                                         (3, "adaptive")])
+def test_the_match_equals_a_lookup_of_every_key(seed, policy):
     """Prompts of up to 300 blocks (rounds of 64, 128, 256 keys) sharing prefixes of every
     length, including a round's edges: every open matches exactly what the per-key lookup
     finds, and the same ids."""
     rng = random.Random(seed)
-    cache = make_cache(storage="none", gpu_blocks=4096, host_blocks=0, block_size=BS)
+    cache = make_cache(storage="none", gpu_blocks=4096, host_blocks=0, block_size=BS,
+                       policy=policy)
     base = np.arange(300 * BS, dtype=np.int32) + 1000
     publish(cache, base)
     cuts = [0, 1, 2, 63, 64, 65, 127, 128, 191, 192, 193, 255, 256, 299, 300]
@@ -98,4 +100,35 @@ def test_a_deepest_key_naming_another_chain_is_not_taken(verify_tokens, monkeypa
     again = cache.open(a)
     assert again.blocks == a_blocks
     cache.close(again)
+    check_invariants(cache)
+
+
+def test_the_policy_is_handed_the_chain_s_own_keys(monkeypatch):
+    """A hit hands the adaptive policy the matched blocks' keys joined, exactly the table's
+    keys of the blocks it hears of (multi-round and partial matches included)."""
+    cache = make_cache(storage="none", gpu_blocks=2048, host_blocks=0, block_size=BS,
+                       policy="adaptive")
+    base = np.arange(200 * BS, dtype=np.int32) + 3
+    publish(cache, base)
+    policy = cache.index.tiers[0].policy
+    assert policy.takes_chain_keys
+    seen = []
+    real = policy.access_many
+
+    def spy(blocks, keys=None):
+        seen.append((list(blocks), keys))
+        return real(blocks, keys=keys)
+
+    monkeypatch.setattr(policy, "access_many", spy)
+    for cut in (200, 130, 64, 10):
+        p = base.copy()
+        if cut < 200:
+            p[cut * BS] = 1
+        s = cache.open(p)
+        cache.close(s)
+        blocks, keys = seen[-1]
+        assert len(blocks) == cut
+        if keys is not None:
+            assert keys == b"".join(cache.index.blocks.key[b] for b in blocks)
+    assert any(k is not None for _, k in seen)
     check_invariants(cache)

@@ -492,6 +492,7 @@ def test_access_many_is_access_block_by_block(case):
     same clock, the same switch pacing, whatever the chain holds."""
     t = BlockTable(1, block_size=BS, capacity=64)
     one, many = AdaptivePolicy(40, blocks=t), AdaptivePolicy(40, blocks=t)
+    keyed = AdaptivePolicy(40, blocks=t)             # handed the chain's keys, as the index does
     assert one.duel.rate == 1
     chain, parent = [], NO_BLOCK
     for i in range(12):
@@ -501,7 +502,7 @@ def test_access_many_is_access_block_by_block(case):
             t.first_child[parent] = b
         chain.append(b)
         parent = b
-    for p in (one, many):
+    for p in (one, many, keyed):
         p.insert(chain[-1])                        # published: the duel hears the chain
     blocks = chain
     if case == "gaps":
@@ -511,7 +512,7 @@ def test_access_many_is_access_block_by_block(case):
     elif case == "deep":
         blocks = chain[4:]
     if case != "candidate":
-        for p in (one, many):
+        for p in (one, many, keyed):
             p.remove(chain[-1])
     for clock in (5, 9, 14):
         for b in chain:
@@ -520,6 +521,14 @@ def test_access_many_is_access_block_by_block(case):
         for b in blocks:
             one.access(b)
         many.access_many(np.asarray(blocks, dtype=np.intp))
+        if case == "unpublished":                  # (no keys to hand over: never passed)
+            keyed.access_many(np.asarray(blocks, dtype=np.intp))
+        else:
+            keyed.access_many(np.asarray(blocks, dtype=np.intp),
+                              keys=b"".join(t.key[b] for b in blocks))
         assert (many._calls, many._now) == (one._calls, one._now)
         assert _duel_state(many.duel) == _duel_state(one.duel)
         assert sorted(many._live) == sorted(one._live)
+        assert (keyed._calls, keyed._now) == (one._calls, one._now)
+        assert _duel_state(keyed.duel) == _duel_state(one.duel)
+        assert sorted(keyed._live) == sorted(one._live)

@@ -121,9 +121,10 @@ class BatchOps(BlockTree):
                 self._refresh(b)
         return zero[:z]
 
-    def _touch(self, s: Survey, clock: int) -> list[int]:
+    def _touch(self, s: Survey, clock: int, keys: bytes | None = None) -> list[int]:
         """A request reused the chain: hits, last use, and every policy holding a copy hears
-        of it. Returns the number of blocks served from each tier (its fastest copy)."""
+        of it. Returns the number of blocks served from each tier (its fastest copy). `keys`:
+        the chain's keys joined, if the caller has them (for the policies that take them)."""
         tiers = self.tiers
         served = [0] * len(tiers)
         ids = s.ids
@@ -154,7 +155,11 @@ class BatchOps(BlockTree):
                 if not np.count_nonzero(cand):
                     continue
                 hear = ids[has & ((cand >> tier.index) & 1).astype(bool)]
-            tier.policy.access_many(hear)           # one call per chain (policies/base.py)
+            # one call per chain (policies/base.py)
+            if keys is not None and hear is ids and tier.policy.takes_chain_keys:
+                tier.policy.access_many(hear, keys=keys)
+            else:
+                tier.policy.access_many(hear)
         return served
 
     def _publish_chain(self, seq, first: int, ready: int, parent: int) -> list[int]:

@@ -93,7 +93,7 @@ class BlockTable:
         self.capacity = 0
         self.num_live = 0
         self._free: list[int] = []
-        self._views: dict[tuple[str, int | str | None], np.ndarray | tuple] = {}
+        self._views: dict[str | tuple[str, int | str], np.ndarray | tuple] = {}
         for name, code, fill in self._FIELDS:
             setattr(self, name, _cells(code, 0, fill))
         for name, code, fill in self._PER_TIER:
@@ -250,11 +250,13 @@ class BlockTable:
     def view(self, name: str, tier: int | None = None) -> np.ndarray:
         """Zero-copy numpy view of a field (cached; `grow` drops the cache, so never keep one
         across a call that can allocate a block)."""
-        v = self._views.get((name, tier))
+        # NOTE: a field's view is cached under its name alone (the hot path asks for a dozen
+        # per request: no tuple to build and hash), a tier's under (name, tier).
+        v = self._views.get(name if tier is None else (name, tier))
         if v is None:
             cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
             v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
-            self._views[(name, tier)] = v
+            self._views[name if tier is None else (name, tier)] = v
         return cast(np.ndarray, v)
 
     def tier_views(self, name: str) -> tuple[np.ndarray, ...]:

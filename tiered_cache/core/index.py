@@ -292,7 +292,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         root, root_id = self.hasher.root(salt, adapter_id)
         self.root_keys[root_id] = root
         seq = Sequence(id(self), root, root_id, tokens, self.num_layers, salt, adapter_id)
-        matched, ids = self._match_ids(seq)
+        matched, ids, joined = self._match_ids(seq)
         shared = self.inflight.match(seq, matched) if self.inflight.enabled else []
         if reserve_last and (len(matched) + len(shared)) * self.block_size >= len(tokens) > 0:
             (shared or matched).pop()
@@ -303,8 +303,11 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             self._trim_slow(seq, matched)
             if len(matched) < n:
                 shared = []                 # (their keys went with the trimmed ones)
-        # NOTE: the trims above only cut the end of the match, so its id array is a prefix.
-        return self._start(seq, matched, promote, t0, shared, ids[:len(matched)])
+        # NOTE: the trims above only cut the end of the match, so its id array (and its joined
+        # keys) is a prefix.
+        if joined is not None:
+            joined = joined[:16 * len(matched)]
+        return self._start(seq, matched, promote, t0, shared, ids[:len(matched)], joined)
 
     @_mutator
     def open_blocks(self, root_id: int, parent_key: bytes, tokens: np.ndarray,
@@ -415,10 +418,11 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
 
     def _start(self, seq: Sequence, matched: list[int], promote: Promote | None,
                t0: float, shared: list[int] | None = None,
-               ids: np.ndarray | None = None) -> Sequence:
+               ids: np.ndarray | None = None, keys: bytes | None = None) -> Sequence:
         """The rest of `open`: pin the matched blocks, make them resident in tier 0, take the
         `shared` blocks other sequences are computing after them (core/inflight.py), give the
-        sequence slots for the tokens after those. `ids`: `matched` as an intp array."""
+        sequence slots for the tokens after those. `ids`: `matched` as an intp array; `keys`:
+        their keys joined, if the match had them."""
         shared = shared if shared is not None else []
         tokens = seq.token_ids
         survey = self._survey(matched, ids)
@@ -465,7 +469,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                                 if r is not None}.values())
         # ---- nothing below can fail
         self.clock += 1
-        served = self._touch(survey, self.clock)
+        served = self._touch(survey, self.clock, keys)
         bs = self.block_size
         by_tier = {}
         for tier, n in zip(self.tiers, served):
@@ -716,22 +720,24 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         """`_match_ids` without the id array."""
         return self._match_ids(seq)[0]
 
-    def _match_ids(self, seq: Sequence) -> tuple[list[int], np.ndarray]:
+    def _match_ids(self, seq: Sequence) -> tuple[list[int], np.ndarray, bytes | None]:
         """Longest run of published blocks that equals the sequence's leading full blocks.
 
         Keys are computed block by block and only up to the first miss: a miss ends the walk,
         so a 1M-token prompt with a short cached prefix hashes only that prefix. Every match
         is then verified: the parent is the block matched before it (the root id at depth 0)
         and, with verify_tokens, the stored token ids equal the request's, so a colliding key
-        never returns another prompt's or tenant's KV. Returns the blocks, and their ids as
-        an intp array (the verification made it; `_start` surveys the chain with it).
+        never returns another prompt's or tenant's KV. Returns the blocks, their ids as an
+        intp array (the verification made it; `_start` surveys the chain with it), and their
+        keys joined where the match had them (`_match_keys`), else None.
         """
         tokens = seq.token_ids
         bs = self.block_size
         matched: list[int] = []
         keys = seq.keys
+        joined = None
         if self.hasher.compiled:
-            self._match_keys(seq.root, tokens, 0, keys, matched)
+            joined = self._match_keys(seq.root, tokens, 0, keys, matched)
         else:
             get = self.prefix.get
             nbytes = bs * 4
@@ -745,7 +751,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                 keys.append(key)
                 matched.append(b)
         if not matched:
-            return matched, _NO_IDS
+            return matched, _NO_IDS, None
         ids = np.asarray(matched, dtype=np.intp)
         good = self._verified(seq, matched, ids)
         if good < len(matched):
@@ -753,13 +759,14 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             del matched[good:]
             del keys[good:]
             ids = ids[:good]
-        return matched, ids
+            joined = None if joined is None else joined[:16 * good]
+        return matched, ids, joined
 
     _CHUNK = 64
     """Keys computed per compiled call of a match's first round; each later round doubles."""
 
     def _match_keys(self, key: bytes, tokens: np.ndarray, first: int, keys: list[bytes],
-                    matched: list[int]) -> None:
+                    matched: list[int]) -> bytes | None:
         """The key match of blocks first.. of `tokens` after the block keyed `key`, appended
         to `keys` and `matched`, with the keys computed in compiled rounds
         (`BlockHasher.keys`): 64 blocks, then twice as many each round, so a long prompt with
@@ -772,12 +779,15 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         not one per block. The chain is kept only if every block's stored key is the round's
         key at its place (one comparison of the joined keys), exactly what the lookup of
         each key would have found (`prefix[key[b]] == b`); otherwise, and for a round that
-        ends in a miss, its keys are looked up one by one up to the first miss."""
+        ends in a miss, its keys are looked up one by one up to the first miss. Returns the
+        matched blocks' keys joined when every round was taken whole (the policies' chain
+        hook reads them: `access_many(keys=)`), else None."""
         get = self.prefix.get
         key_of = self.blocks.key
         keys_of = self.hasher.keys
         n = len(tokens) // self.block_size
         chunk = self._CHUNK
+        joined: list[bytes] | None = []
         while first < n:
             m = min(chunk, n - first)
             kb = keys_of(key, tokens, first, m)
@@ -790,6 +800,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                     if None not in stored and b"".join(stored) == kb:
                         keys += stored
                         matched += ids
+                        if joined is not None:
+                            joined.append(kb)
                         key = stored[-1]
                         first += m
                         chunk *= 2
@@ -799,11 +811,13 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                 key = kb[off:off + 16]
                 b = get(key)
                 if b is None:
-                    return
+                    return None if joined is None else b"".join(joined)
                 add_key(key)
                 add_block(b)
+                joined = None
             first += m
             chunk *= 2
+        return None if joined is None else b"".join(joined)
 
     def _verified(self, seq: Sequence, matched: list[int], ids: np.ndarray,
                   data: bytes | None = None) -> int:

@@ -493,9 +493,12 @@ class AdaptivePolicy(PriorityPolicy):
         if b in self._live:             # re-key a candidate that was hit
             PriorityPolicy.insert(self, b)
 
-    def access_many(self, blocks) -> None:
+    takes_chain_keys = True
+
+    def access_many(self, blocks, keys: bytes | None = None) -> None:
         """`access` of each block of one reused chain, root first (an int array or list),
-        the duel's part in one compiled call (`hit_chain`).
+        the duel's part in one compiled call (`hit_chain`). `keys`: the chain's keys joined,
+        if the caller has them (CachePolicy.access_many).
 
         Exactly `access` block by block: `_calls` is what it would be at the block whose hit
         moves the duel's choice where `_follow` acts on it, and a chain with a current
@@ -511,13 +514,16 @@ class AdaptivePolicy(PriorityPolicy):
             for b in ids:
                 self.access(b)
             return
-        try:
-            # (the chain's keys in one buffer, as the duel takes them)
-            kb = b"".join(map(t.key.__getitem__, ids))
-        except TypeError:               # an unpublished block (no key): nothing was done
-            for b in ids:
-                self.access(b)
-            return
+        if keys is not None and len(keys) == 16 * n:
+            kb = keys
+        else:
+            try:
+                # (the chain's keys in one buffer, as the duel takes them)
+                kb = b"".join(map(t.key.__getitem__, ids))
+            except TypeError:           # an unpublished block (no key): nothing was done
+                for b in ids:
+                    self.access(b)
+                return
         arr = blocks if isinstance(blocks, np.ndarray) else np.asarray(ids, np.int64)
         la, dep = t.view("last_access"), t.view("depth")
         duel, mask = self.duel, self.duel.mask

@@ -21,7 +21,9 @@ Hooks, all called with the control-plane lock held (keep them O(1) or O(log n)):
   `blocks.hits[b]` and `blocks.last_access[b]` are already updated when this is called.
 - `access_many(blocks)`: `access` of each block in order, for the blocks of one reused chain
   (an intp array, root first: the request's matched prefix, or its blocks with a copy in this
-  tier); the cache calls this, once per chain and tier. The default calls `access`.
+  tier); the cache calls this, once per chain and tier. The default calls `access`. A
+  policy with `takes_chain_keys` may be handed `keys=`: the chain's keys joined (16 bytes
+  each, `blocks.key` of each block in order), where the match already had them.
 - `victims(n)`: remove and return up to `n` candidates, best victim first.
 - `offer(b)`: b became a candidate and the caller takes a victim next: take b at once if it
   would be that victim (the default inserts it and says no; eviction then calls `victim`).
@@ -52,6 +54,9 @@ class CachePolicy(ABC):
     """Whether `access` must be called for every reuse of a block with a copy in the tier.
     False for policies whose `access` only re-keys current candidates: the index then skips
     the call for the others (most blocks of a reused chain are not candidates)."""
+    takes_chain_keys: bool = False
+    """Whether `access_many` accepts `keys=` (the chain's keys joined, see the module
+    docstring); the index passes them only to a policy that says so."""
 
     def __init__(self, capacity_blocks: int, *, blocks: BlockTable, block_size: int = 16,
                  cost_context_tokens: float = 53_000.0) -> None:
@@ -73,10 +78,11 @@ class CachePolicy(ABC):
     def access(self, b: int) -> None:  # noqa: B027 - optional hook, default: no state
         """Most priority policies read `hits`/`last_access` at insert time instead."""
 
-    def access_many(self, blocks) -> None:
+    def access_many(self, blocks, keys: bytes | None = None) -> None:
         """`access(b)` for each of `blocks` (an int array or list) in order: one reused chain,
         root first (see the module docstring). A policy overrides it to do per-chain work
-        once."""
+        once. `keys` (the chain's keys joined, for a policy with `takes_chain_keys`) is not
+        needed here."""
         access = self.access
         for b in (blocks.tolist() if hasattr(blocks, "tolist") else blocks):
             access(b)
