@@ -50,6 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -796,13 +797,14 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                 out = np.empty(m, dtype=np.intp)
                 if chains.ancestors(self.blocks.view("parent"), b, m, out):
                     ids = out.tolist()
-                    stored = list(map(key_of.__getitem__, ids))
-                    if None not in stored and b"".join(stored) == kb:
+                    found = list(map(key_of.__getitem__, ids))
+                    stored = cast("list[bytes]", found)     # (None: checked next)
+                    if None not in found and b"".join(stored) == kb:
                         keys += stored
                         matched += ids
                         if joined is not None:
                             joined.append(kb)
-                        key = stored[-1]
+                        key = kb[16 * m - 16:]
                         first += m
                         chunk *= 2
                         continue
