@@ -210,7 +210,8 @@ def test_credit_formula():
 
 def test_sample_rate():
     assert sample_rate(10) == 1 and sample_rate(63) == 1
-    assert sample_rate(64) == 2 and sample_rate(500) == 8 and sample_rate(10**6) == 8
+    assert sample_rate(64) == 2 and sample_rate(500) == 8 and sample_rate(131071) == 8
+    assert sample_rate(131072) == 16 and sample_rate(10**6) == 64 and sample_rate(2**40) == 256
     assert sample_rate(10**6, max_rate=64) == 64
 
 

@@ -35,13 +35,14 @@ the duel already heard of at that block's clock (its chain was announced with it
 
 NOTE: cost per hook, all under the control-plane lock. `insert`, `remove`, `access` and
 `victim` are O(log n) heap work plus O(1) dict work, and in expectation O(R) parent steps to the
-nearest sampled ancestor (a key is sampled with probability 1/R, R <= 8). The walk of a fresh
-chain is O(1) amortised per published block: a block is walked when its request closes, and a
-later walk stops at the first announced sampled block, so a chain evicted leaf by leaf is not
-walked again (O(depth^2) otherwise). The duel does O(experts * log n) work per sampled use,
-plus amortised O(1) shedding of stale heap entries (`shadow.MiniCache.evict`). A switch of
-expert snapshots the candidates (O(n)) and re-keys them 64 per later hook call; switches are
-at most one per `capacity` hook calls (`_follow`), so that too is O(1) amortised.
+nearest sampled ancestor, taken only for a sampled block and once per walk (a key is sampled
+with probability 1/R: R <= 8 below 2^17 blocks, sparser above, `duel.LARGE_MINI`). The walk
+of a fresh chain is O(1) amortised per published block: a block is walked when its request
+closes, and a later walk stops at the first announced sampled block, so a chain evicted leaf
+by leaf is not walked again (O(depth^2) otherwise). The duel does O(experts * log n) work per
+sampled use, plus amortised O(1) shedding of stale heap entries (`shadow.MiniCache.evict`). A
+switch of expert snapshots the candidates (O(n)) and re-keys them 64 per later hook call;
+switches are at most one per `capacity` hook calls (`_follow`), so that too is O(1) amortised.
 
 NOTE: per-block state lives only in `_live` (dropped on `remove`, as for every heap policy);
 the ghost and the duel are keyed by content key, bounded, and never by the recycled id. The

@@ -54,16 +54,34 @@ development VM: one use in 8 keeps the adaptive replay above 0.7x LRU's speed, a
 of capacity / 8 slots are large enough to rank the experts (on the tuning seeds, one in 16
 lost 0.6% of the geometric mean)."""
 
+LARGE_MINI = 8192
+"""Mini-cache slots past which a larger tier samples more sparsely than 1 in MAX_RATE: R
+doubles while capacity / R stays at least this (a 10^6-block tier samples 1 key in 64, into
+mini caches of 15,625 slots). Spatial sampling ranks caches from a fixed-size sample of some
+thousands of keys (SHARDS, Waldspurger et al., FAST'15), while the duel's arrays cost about
+46 bytes per sampled key: at 1 in 8 that was 46 bytes per cached block of a 10^6-block tier
+(benchmarks/control_plane.py --memory), at 1 in 64 it is under 6. A sparser sample also hears
+fewer uses, so the duel needs proportionally more requests to reach significance; a tier this
+large serves as many more between two turnovers. Tiers up to 131,071 blocks (every capacity of
+the policy evaluation) keep their rate."""
+
+TOP_RATE = 256
+"""Sparsest sampling: a key is sampled when its first byte has no bit of R - 1 set."""
+
 Z = 2.0
 """Standard errors by which a challenger must beat the incumbent (two-sided 95%)."""
 
 
 def sample_rate(capacity: int, mini_slots: int = MINI_SLOTS, max_rate: int = MAX_RATE) -> int:
     """R: the largest power of two, at most `max_rate`, with capacity / R >= `mini_slots`
-    (1 for caches smaller than that: then every key is sampled)."""
+    (1 for caches smaller than that: then every key is sampled); past `max_rate`, R keeps
+    doubling (up to `TOP_RATE`) while the mini caches keep at least `LARGE_MINI` slots."""
     rate = 1
     while rate < max_rate and capacity // (2 * rate) >= mini_slots:
         rate *= 2
+    if rate == max_rate:
+        while rate < TOP_RATE and capacity // (2 * rate) >= LARGE_MINI:
+            rate *= 2
     return rate
 
 
