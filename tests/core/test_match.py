@@ -132,3 +132,39 @@ def test_the_policy_is_handed_the_chain_s_own_keys(monkeypatch):
             assert keys == b"".join(cache.index.blocks.key[b] for b in blocks)
     assert any(k is not None for _, k in seen)
     check_invariants(cache)
+
+
+@pytest.mark.parametrize("cut", [0, 1, 40, 63, 64, 65, 100, 191, 192, 250])
+def test_publishing_takes_the_keys_the_match_computed_past_its_miss(cut, monkeypatch):
+    """A match that misses in block `cut` leaves the rest of its round's keys to publishing
+    (`Sequence.ahead`), which then hashes only past that round: every block is published
+    under its own chained key, and the prompt hits whole when opened again."""
+    cache = make_cache(storage="none", gpu_blocks=4096, host_blocks=0, block_size=BS)
+    idx = cache.index
+    base = np.arange(250 * BS, dtype=np.int32) + 77
+    publish(cache, base)
+    p = base.copy()
+    if cut < 250:
+        p[cut * BS] = 5                                 # diverges in block `cut`
+    hashed = []
+    real = idx.hasher.keys
+
+    def keys(parent, tokens, first, n):
+        hashed.append((first, n))
+        return real(parent, tokens, first, n)
+
+    monkeypatch.setattr(idx.hasher, "keys", keys)
+    s = cache.open(p)
+    assert s.num_cached_tokens == BS * cut
+    matched_to = sum(n for _, n in hashed)              # blocks the match hashed
+    del hashed[:]
+    cache.mark_computed(s)
+    want = list(idx.hasher.chain(idx.hasher.root(None)[0], p))
+    assert s.keys == want
+    assert all(idx.blocks.key[b] == k for b, k in zip(s.blocks, want))
+    assert [f for f, _ in hashed] == ([matched_to] if matched_to < 250 else [])
+    cache.close(s)
+    again = cache.open(p)
+    assert again.num_cached_tokens == 250 * BS
+    cache.close(again)
+    check_invariants(cache)

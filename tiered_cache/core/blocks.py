@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator
-from typing import cast
 
 import numpy as np
 
@@ -93,7 +92,8 @@ class BlockTable:
         self.capacity = 0
         self.num_live = 0
         self._free: list[int] = []
-        self._views: dict[str | tuple[str, int | str], np.ndarray | tuple] = {}
+        self._views: dict[str | tuple[str, int], np.ndarray] = {}
+        self._tier_views: dict[str, tuple[np.ndarray, ...]] = {}
         for name, code, fill in self._FIELDS:
             setattr(self, name, _cells(code, 0, fill))
         for name, code, fill in self._PER_TIER:
@@ -174,6 +174,7 @@ class BlockTable:
             return
         # NOTE: an array cannot be resized while a numpy view exports its buffer.
         self._views.clear()
+        self._tier_views.clear()
         if self.capacity == 0:
             self._first(capacity)
             return
@@ -257,15 +258,14 @@ class BlockTable:
             cells = getattr(self, name) if tier is None else getattr(self, name)[tier]
             v = np.frombuffer(cells, dtype=_DTYPES[cells.typecode])
             self._views[name if tier is None else (name, tier)] = v
-        return cast(np.ndarray, v)
+        return v
 
     def tier_views(self, name: str) -> tuple[np.ndarray, ...]:
         """`view(name, t)` of every tier, as a tuple (cached, like the views)."""
-        v = self._views.get((name, "tiers"))
+        v = self._tier_views.get(name)
         if v is None:
-            v = tuple(self.view(name, t) for t in range(self.num_tiers))
-            self._views[(name, "tiers")] = v
-        return cast(tuple[np.ndarray, ...], v)
+            v = self._tier_views[name] = tuple(self.view(name, t) for t in range(self.num_tiers))
+        return v
 
     def describe(self, b: int) -> str:
         state = "published" if self.key[b] is not None else "private"

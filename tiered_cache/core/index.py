@@ -724,8 +724,9 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
     def _match_ids(self, seq: Sequence) -> tuple[list[int], np.ndarray, bytes | None]:
         """Longest run of published blocks that equals the sequence's leading full blocks.
 
-        Keys are computed block by block and only up to the first miss: a miss ends the walk,
-        so a 1M-token prompt with a short cached prefix hashes only that prefix. Every match
+        Keys are computed in rounds (`_match_keys`; block by block without the compiled
+        hasher) and only about as far as the first miss: a miss ends the walk, so a 1M-token
+        prompt with a short cached prefix hashes about as much as that prefix. Every match
         is then verified: the parent is the block matched before it (the root id at depth 0)
         and, with verify_tokens, the stored token ids equal the request's, so a colliding key
         never returns another prompt's or tenant's KV. Returns the blocks, their ids as an
@@ -738,7 +739,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         keys = seq.keys
         joined = None
         if self.hasher.compiled:
-            joined = self._match_keys(seq.root, tokens, 0, keys, matched)
+            joined = self._match_keys(seq.root, tokens, 0, keys, matched, seq)
         else:
             get = self.prefix.get
             nbytes = bs * 4
@@ -767,7 +768,7 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
     """Keys computed per compiled call of a match's first round; each later round doubles."""
 
     def _match_keys(self, key: bytes, tokens: np.ndarray, first: int, keys: list[bytes],
-                    matched: list[int]) -> bytes | None:
+                    matched: list[int], seq: Sequence | None = None) -> bytes | None:
         """The key match of blocks first.. of `tokens` after the block keyed `key`, appended
         to `keys` and `matched`, with the keys computed in compiled rounds
         (`BlockHasher.keys`): 64 blocks, then twice as many each round, so a long prompt with
@@ -782,7 +783,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         each key would have found (`prefix[key[b]] == b`); otherwise, and for a round that
         ends in a miss, its keys are looked up one by one up to the first miss. Returns the
         matched blocks' keys joined when every round was taken whole (the policies' chain
-        hook reads them: `access_many(keys=)`), else None."""
+        hook reads them: `access_many(keys=)`), else None. With `seq` (whose `keys` these
+        are), the round's keys from the miss on are left in `seq.ahead` for publishing."""
         get = self.prefix.get
         key_of = self.blocks.key
         keys_of = self.hasher.keys
@@ -813,6 +815,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
                 key = kb[off:off + 16]
                 b = get(key)
                 if b is None:
+                    if seq is not None:
+                        seq.ahead, seq.ahead_at = kb[off:], first + off // 16
                     return None if joined is None else b"".join(joined)
                 add_key(key)
                 add_block(b)
@@ -853,6 +857,11 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             # NOTE: under blocks another sequence is still computing (core/inflight.py): wait
             # for it to publish them (it publishes ours then), or stay private if it never does.
             return []
+        if len(keys) < ready and seq.ahead_at == len(keys):
+            # the match's keys past its miss (`_match_keys`): not computed twice
+            ahead, n = seq.ahead, min(len(seq.ahead) // 16, ready - len(keys))
+            keys += [ahead[off:off + 16] for off in range(0, 16 * n, 16)]
+            seq.ahead, seq.ahead_at = ahead[16 * n:], seq.ahead_at + n
         key, add_key = (keys[-1] if keys else seq.root), keys.append
         if len(keys) < ready and self.hasher.compiled:
             kb = self.hasher.keys(key, tokens, len(keys), ready - len(keys))

@@ -48,6 +48,11 @@ class Sequence:
         # Never rewritten: blocks only ever change after the ones `open` counted published.
         self.match_ids: np.ndarray = _NO_IDS
         self.keys: list[bytes] = []             # chained keys of the leading full blocks
+        # NOTE: keys the match computed past its first miss, joined: those of blocks
+        # ahead_at.. (a block's key depends only on the root and the tokens up to its end,
+        # so they stay its keys). Publishing takes them while len(keys) == ahead_at.
+        self.ahead = b""
+        self.ahead_at = -1
         self.num_cached_tokens = 0
         self.cached_tokens_by_tier: dict[str, int] = {}
         self.written = [0] * num_layers         # tokens written so far, per layer
