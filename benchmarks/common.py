@@ -142,6 +142,29 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     return p
 
 
+def trim_heap() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; nothing
+    elsewhere), before the first reading of a resident-set measurement.
+
+    NOTE: what a fill adds to the RSS depends on how much freed memory the heap holds when it
+    starts: a warm-up that compiled the numba kernels (an empty kernel cache, or another
+    checkout's overwriting it) left ~7 MB free that the fill then reused, so 10^5 blocks read
+    ~290 bytes a block with the compile and ~360 without. Trimming gives back glibc's part
+    (~310 with the compile); Python's own arenas keep the rest, so measure with the kernels
+    cached, as an installed process runs (control_plane_peers.py fills each checkout's kernel
+    cache first)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return
+    trim(0)
+
+
 def import_checkout(root: str | os.PathLike) -> None:
     """Import tiered_cache from the checkout at `root`, installed or not (e.g. a git worktree of
     an older commit, for a before/after in the same sitting).
