@@ -168,3 +168,36 @@ def test_publishing_takes_the_keys_the_match_computed_past_its_miss(cut, monkeyp
     assert again.num_cached_tokens == 250 * BS
     cache.close(again)
     check_invariants(cache)
+
+
+def test_keys_past_the_miss_serve_a_prompt_published_a_chunk_at_a_time():
+    """Blocks written (and so published) a few at a time take the match's keys past its miss
+    from wherever publishing stopped; the published chain is the prompt's own, whole."""
+    import torch
+
+    from tests.helpers import write_random
+
+    cache = make_cache(gpu_blocks=1024, host_blocks=0, block_size=BS)
+    idx = cache.index
+    gen = torch.Generator().manual_seed(0)
+    base = np.arange(200 * BS, dtype=np.int32) + 9
+    s = cache.open(base)
+    write_random(cache, s, gen)
+    cache.close(s)
+    p = base.copy()
+    p[130 * BS] = 3                                     # misses inside the 64..191 round
+    s = cache.open(p)
+    assert s.num_cached_tokens == 130 * BS
+    assert s.ahead_at == 130 and len(s.ahead) == 16 * 62
+    want = list(idx.hasher.chain(idx.hasher.root(None)[0], p))
+    while s.num_written < s.num_tokens:
+        write_random(cache, s, gen, n=min(3 * BS + 1, s.num_tokens - s.num_written))
+        done = s.num_written // BS
+        assert s.keys[:done] == want[:done]
+    assert s.keys == want and s.ahead == b""
+    assert all(idx.blocks.key[b] == k for b, k in zip(s.blocks, want))
+    cache.close(s)
+    again = cache.open(p)
+    assert again.num_cached_tokens == 200 * BS
+    cache.close(again)
+    check_invariants(cache)

@@ -857,11 +857,14 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
             # NOTE: under blocks another sequence is still computing (core/inflight.py): wait
             # for it to publish them (it publishes ours then), or stay private if it never does.
             return []
-        if len(keys) < ready and seq.ahead_at == len(keys):
-            # the match's keys past its miss (`_match_keys`): not computed twice
-            ahead, n = seq.ahead, min(len(seq.ahead) // 16, ready - len(keys))
-            keys += [ahead[off:off + 16] for off in range(0, 16 * n, 16)]
-            seq.ahead, seq.ahead_at = ahead[16 * n:], seq.ahead_at + n
+        ahead, skip = seq.ahead, len(keys) - seq.ahead_at
+        if len(keys) < ready and 0 <= skip < len(ahead) // 16:
+            # the match's keys past its miss (`_match_keys`): not computed twice. (Read in
+            # place: a long prompt published a chunk at a time copies none of them again.)
+            end = min(len(ahead) // 16, ready - seq.ahead_at)
+            keys += [ahead[off:off + 16] for off in range(16 * skip, 16 * end, 16)]
+            if end == len(ahead) // 16:
+                seq.ahead = b""             # all taken
         key, add_key = (keys[-1] if keys else seq.root), keys.append
         if len(keys) < ready and self.hasher.compiled:
             kb = self.hasher.keys(key, tokens, len(keys), ready - len(keys))

@@ -50,7 +50,8 @@ class Sequence:
         self.keys: list[bytes] = []             # chained keys of the leading full blocks
         # NOTE: keys the match computed past its first miss, joined: those of blocks
         # ahead_at.. (a block's key depends only on the root and the tokens up to its end,
-        # so they stay its keys). Publishing takes them while len(keys) == ahead_at.
+        # so they stay its keys, whoever computed the ones before). Publishing takes those
+        # from len(keys) on while len(keys) falls inside them.
         self.ahead = b""
         self.ahead_at = -1
         self.num_cached_tokens = 0
