@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 from common import default_out, environment, print_table, time_it, write_json
+
 from tiered_cache.kernels import paged_decode_attention
 from tiered_cache.kernels.testing import PagedCase, relative_error
 

@@ -169,10 +169,11 @@ def import_checkout(root: str | os.PathLike) -> None:
     """Import tiered_cache from the checkout at `root`, installed or not (e.g. a git worktree of
     an older commit, for a before/after in the same sitting).
 
-    NOTE: an editable install maps `tiered_cache.kernels` and `tiered_cache.migrator` onto the
-    top-level folders of *its* checkout (pyproject's package-dir); a bare checkout on sys.path
-    has no such mapping, so it is made here, for the checkout named and nothing else. Call it
-    before anything imports tiered_cache."""
+    NOTE: checkouts before the move of kernels/ and migrator/ under tiered_cache/ keep them
+    as top-level folders that their editable install mapped into the package (pyproject's
+    package-dir); a bare checkout on sys.path has no such mapping, so for those it is made
+    here, for the checkout named and nothing else. Call it before anything imports
+    tiered_cache."""
     import importlib.util
 
     root = str(Path(root).resolve())
@@ -183,7 +184,7 @@ def import_checkout(root: str | os.PathLike) -> None:
         raise SystemExit(f"tiered_cache imported from {tiered_cache.__file__}, not {root}")
     for sub in ("kernels", "migrator"):
         name = f"tiered_cache.{sub}"
-        if name in sys.modules:
+        if name in sys.modules or not os.path.isdir(os.path.join(root, sub)):
             continue
         spec = importlib.util.spec_from_file_location(
             name, os.path.join(root, sub, "__init__.py"),

@@ -48,13 +48,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import default_out, environment, print_table, quantile, write_json  # noqa: E402
-from tiered_cache.migrator import Compactor  # noqa: E402
 
 from tiered_cache import TieredKVCache  # noqa: E402
 from tiered_cache.config import CacheConfig, CompactorConfig  # noqa: E402
 from tiered_cache.core import moves  # noqa: E402
 from tiered_cache.core.transfer import Transfer  # noqa: E402
 from tiered_cache.locking import HoldStats, TimedLock  # noqa: E402
+from tiered_cache.migrator import Compactor  # noqa: E402
 
 LAYERS, HEADS, DIM, BS = 1, 1, 8, 4
 P99_TARGET_S, MAX_TARGET_S = 1e-3, 5e-3

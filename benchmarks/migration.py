@@ -47,10 +47,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import default_out, environment, gbps, print_table, write_json  # noqa: E402
-from tiered_cache.kernels import copy_blocks_to_gpu, copy_blocks_to_host  # noqa: E402
 
 from tiered_cache import TieredKVCache  # noqa: E402
 from tiered_cache.config import CacheConfig  # noqa: E402
+from tiered_cache.kernels import copy_blocks_to_gpu, copy_blocks_to_host  # noqa: E402
 
 HEADS, HEAD_DIM, BLOCK, DTYPE = 8, 128, 16, torch.bfloat16
 FULL_LAYERS = 80

@@ -20,8 +20,7 @@ from tiered_cache.tiers import kinds
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TEXT = README.read_text(encoding="utf-8")
-TOP_DIRS = ("docs", "tests", "benchmarks", "configs", "deploy", "examples", "tiered_cache",
-            "kernels", "migrator")
+TOP_DIRS = ("docs", "tests", "benchmarks", "configs", "deploy", "examples", "tiered_cache")
 
 
 def config_table() -> dict[str, str]:

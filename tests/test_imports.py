@@ -1,11 +1,10 @@
 """The import rules of docs/architecture.md ("Import direction"), checked on the source.
 
-Every module of the library (tiered_cache/, kernels/ and migrator/, which install as
-tiered_cache.kernels and tiered_cache.migrator) is parsed; every `import` / `from ... import`
-is an edge, at module level or inside a function (imports under `if TYPE_CHECKING:` are type
-names only and are not edges). `from tiered_cache import TieredKVCache` is an edge to the module
-the package's lazy attribute loads (tiered_cache/__init__.py), `from pkg import sub` one to the
-submodule. Then:
+Every module of the library (everything under tiered_cache/) is parsed; every `import` / `from
+... import` is an edge, at module level or inside a function (imports under `if TYPE_CHECKING:`
+are type names only and are not edges). `from tiered_cache import TieredKVCache` is an edge to
+the module the package's lazy attribute loads (tiered_cache/__init__.py), `from pkg import sub`
+one to the submodule. Then:
 
 1. each group of modules imports only the groups `ALLOWED` lists for it;
 2. only the entry points (tiered_cache/cli.py, __main__.py) import tools/;
@@ -103,15 +102,12 @@ NO_TORCH_AT_MODULE_LEVEL = ("tiered_cache.core", "tiered_cache.wire", "tiered_ca
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    if parts[0] in ("kernels", "migrator"):
-        parts = ["tiered_cache", *parts]
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
 
 
-MODULES = {_module_name(p): p for top in ("tiered_cache", "kernels", "migrator")
-           for p in sorted((ROOT / top).rglob("*.py"))}
+MODULES = {_module_name(p): p for p in sorted((ROOT / "tiered_cache").rglob("*.py"))}
 
 
 def group_of(module: str) -> str:

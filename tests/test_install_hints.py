@@ -19,7 +19,7 @@ BY_NAME = re.compile(r"pip install\s+['\"]?tiered-cache(\[|['\"\s]|$)")
 
 
 def _library_strings():
-    for top in ("tiered_cache", "kernels", "migrator"):
+    for top in ("tiered_cache",):
         for path in sorted((ROOT / top).rglob("*.py")):
             tree = ast.parse(path.read_text(), str(path))
             for node in ast.walk(tree):

@@ -4,12 +4,12 @@ module it reaches, leaves the cache whole, or (one nothing can defer) refusing t
 For each public call (open, write, append, close, invalidate, gather, attention,
 prefill_attention), in each tier setup (device only; device + host without the migrator, write
 back and write through; device + host with the migrator), the call is first run once under
-`sys.settrace`, counting 'line' events in every frame it runs: the package (tiered_cache/, and
-migrator/ and kernels/, installed as tiered_cache.migrator and tiered_cache.kernels) and what it
-calls below (threading, queue, numpy, torch's Python code); `test_every_module_the_calls_reach_
-is_traced` checks that the lock, the sections, the allocator, the owner's parts, the policies
-and the data plane are among them. Then, for each k, the same state is rebuilt and an exception
-is delivered at the k-th line event, in one of three modes (`Injector`):
+`sys.settrace`, counting 'line' events in every frame it runs: the package (tiered_cache/, its
+migrator and kernels included) and what it calls below (threading, queue, numpy, torch's Python
+code); `test_every_module_the_calls_reach_is_traced` checks that the lock, the sections, the
+allocator, the owner's parts, the policies and the data plane are among them. Then, for each k,
+the same state is rebuilt and an exception is delivered at the k-th line event, in one of three
+modes (`Injector`):
 
 - `sigint`: what CPython does when SIGINT arrives there: it calls the installed handler (the
   library's wrapper: deferred to the end of a commit section, else KeyboardInterrupt at once);
@@ -61,11 +61,11 @@ import zlib
 from dataclasses import dataclass, field
 
 import pytest
-import tiered_cache.kernels
-import tiered_cache.migrator
 import torch
 
 import tiered_cache
+import tiered_cache.kernels
+import tiered_cache.migrator
 from tests.helpers import (
     check_invariants,
     check_pattern,
@@ -617,7 +617,7 @@ def test_every_module_the_calls_reach_is_traced():
                  "tiered_cache/core/tree.py", "tiered_cache/core/batch.py",
                  "tiered_cache/core/blocks.py", "tiered_cache/policies/lru.py",
                  "tiered_cache/data/pools.py", "tiered_cache/data/executor.py",
-                 "tiered_cache/cache.py", "migrator/worker.py"):
+                 "tiered_cache/cache.py", "tiered_cache/migrator/worker.py"):
         assert want in rel, (want, sorted(rel))
     assert any(f.endswith(os.sep + "threading.py") for f in seen)
     assert any(os.sep + "numpy" + os.sep in f for f in seen)

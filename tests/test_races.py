@@ -24,10 +24,9 @@ import time
 from contextlib import contextmanager
 
 import pytest
-import tiered_cache.kernels as kernels
 import torch
-from tiered_cache.migrator import Compactor
 
+import tiered_cache.kernels as kernels
 from tests.helpers import (
     check_invariants,
     check_pattern,
@@ -54,6 +53,7 @@ from tiered_cache.errors import (
     SequenceClosedError,
     TieredCacheError,
 )
+from tiered_cache.migrator import Compactor
 
 HOLD_S = 0.5            # how long a held read waits inside its kernel for the other threads
 JOIN_S = 30.0           # generous bound on every join (a hang fails, it does not stall CI)

@@ -10,6 +10,7 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from tiered_cache.kernels import copy_blocks_to_gpu, copy_blocks_to_host  # noqa: E402
 from tiered_cache.kernels.reference import as_bits, slot_runs  # noqa: E402
 from tiered_cache.kernels.testing import backend_params, seed_for  # noqa: E402

@@ -10,6 +10,7 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from tiered_cache.kernels import paged_decode_attention  # noqa: E402
 from tiered_cache.kernels.testing import (  # noqa: E402
     TOLERANCE,

@@ -9,6 +9,7 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from tiered_cache.kernels import dequantize_fp8, quantize_fp8  # noqa: E402
 from tiered_cache.kernels.testing import backend_params, seed_for  # noqa: E402
 

@@ -10,6 +10,7 @@ if shutil.which("nvidia-smi") is None:
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 from tiered_cache.kernels import merge_attention_states  # noqa: E402
 from tiered_cache.kernels.testing import backend_params, relative_error, seed_for  # noqa: E402
 

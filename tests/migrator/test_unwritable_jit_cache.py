@@ -74,13 +74,10 @@ SCRIPT = textwrap.dedent("""
 
 
 def _unwritable_copy(tmp: Path) -> Path:
-    """The package as installed (tiered_cache/, its kernels and migrator inside), with every
-    __pycache__ a regular file."""
+    """The package as installed, with every __pycache__ a regular file."""
     root = tmp / "site"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "tiered_cache", root / "tiered_cache", ignore=ignore)
-    shutil.copytree(REPO / "kernels", root / "tiered_cache" / "kernels", ignore=ignore)
-    shutil.copytree(REPO / "migrator", root / "tiered_cache" / "migrator", ignore=ignore)
     for d in [root / "tiered_cache", *[p for p in (root / "tiered_cache").rglob("*")
                                        if p.is_dir()]]:
         (d / "__pycache__").write_text("not a directory\n")

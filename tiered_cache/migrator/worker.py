@@ -34,8 +34,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
-from tiered_cache.migrator.health import ThreadHealth
-
 from tiered_cache.config import MigratorConfig
 from tiered_cache.core import moves
 from tiered_cache.core.index import BlockIndex
@@ -48,6 +46,7 @@ from tiered_cache.errors import (
     TierUnavailableError,
     TransferError,
 )
+from tiered_cache.migrator.health import ThreadHealth
 
 log = logging.getLogger("tiered_cache.migrator")
 FaultHook = Callable[[str, int], None]

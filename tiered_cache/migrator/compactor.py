@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from tiered_cache.migrator.health import ThreadHealth
-
 from tiered_cache.config import CompactorConfig
 from tiered_cache.core import moves
 from tiered_cache.core.index import BlockIndex
 from tiered_cache.errors import CacheBrokenError
+from tiered_cache.migrator.health import ThreadHealth
 
 log = logging.getLogger("tiered_cache.compactor")
 
