@@ -46,8 +46,8 @@ OWNER = {
     "locked", "tier", "tier_name", "lookup", "info", "open_sequences", "stats", "count",
 }
 PARTS = {
-    "copies": (Copies, {"set_slot", "move_copy", "clear_slot", "remap", "drop_if_uncached",
-                        "begin_move", "end_move"}),
+    "copies": (Copies, {"set_slot", "set_slots", "move_copy", "clear_slot", "remap",
+                        "drop_if_uncached", "begin_move", "end_move"}),
     "space": (Space, {"room", "check_room", "allocate", "reserve", "reserve_at", "unreserve",
                       "free_slot", "evict", "admits", "turned_away", "take_victims", "recheck",
                       "note_evictions", "take_erasures", "erased", "grow_tier",

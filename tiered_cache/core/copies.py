@@ -39,6 +39,40 @@ class Copies:
             ix._refresh(p)
         ix._refresh(b)
 
+    def set_slots(self, blocks: list[int], t: int, slots: list[int]) -> None:
+        """Each of `blocks` gains a copy in the matching slot of tier t: `set_slot` for all
+        of them, with each block and each parent re-derived once, after every copy is set
+        (the promotion hot path: a chain's blocks are each other's parents).
+
+        NOTE: candidacy depends only on the state it is derived from, so deriving once at the
+        end gives what a derivation after every step ends with. The order policies hear of
+        the changes in is each block's first appearance as (parent, block), the order
+        `set_slot` one block at a time would first touch them in."""
+        ix = self.ix
+        mine, tier = ix._slots[t], ix.tiers[t]
+        owner, kids = tier.owner, ix._kids[t]
+        busy, ref, parent, key = ix.blocks.busy_tiers, ix._ref, ix._parent, ix._key
+        touched: dict[int, None] = {}       # insertion-ordered set
+        pinned = 0
+        for b, slot in zip(blocks, slots):
+            mine[b] = slot
+            owner[slot] = b
+            if busy[b]:
+                self._busy(b, t, True)
+            if ref[b]:
+                pinned += 1
+            p = parent[b]
+            if key[b] is not None and p != NO_BLOCK:
+                kids[p] += 1
+                touched[p] = None
+            touched[b] = None
+        tier.pinned_blocks += pinned
+        refresh, flight, cand = ix._refresh, ix._flight, ix._cand
+        for b in touched:
+            if flight[b] and not cand[b]:
+                continue        # in flight: a candidate nowhere, and it is none already
+            refresh(b)
+
     def move_copy(self, b: int, src: int, dst: int, slot: int) -> None:
         """b's copy leaves tier src for `slot` of tier dst: set_slot + clear_slot in one
         step, so b and its parent are re-derived once (the demotion hot path)."""

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class Transfer:
+class Transfer(NamedTuple):
+    """One copy of one block between two tiers.
+
+    NOTE: a NamedTuple (immutable, built in C), not a frozen dataclass, whose __init__ sets
+    each of its nine fields through object.__setattr__: a plan holds one per block moved, and
+    building them was a tenth of a promotion's open (1.5 us each against 0.4)."""
+
     block: int                                  # block id (a row of the BlockTable)
     src_tier: int
     src_slot: int
@@ -43,11 +47,27 @@ class RecordMeta(NamedTuple):
     hits: int
 
 
-def group(transfers: Iterable[Transfer]) -> dict[tuple[int, int, tuple[int, ...] | None],
-                                                  list[Transfer]]:
+Groups = dict[tuple[int, int, "tuple[int, ...] | None"], list[Transfer]]
+
+
+def group(transfers: Iterable[Transfer]) -> Groups:
     """Group by (src tier, dst tier, layers), each group sorted by source slot so that adjacent
     slots coalesce into one large copy downstream."""
+    if isinstance(transfers, GroupedPlan):
+        return transfers.groups
     out: dict = defaultdict(list)
     for t in sorted(transfers, key=lambda t: (t.src_tier, t.dst_tier, t.src_slot)):
         out[(t.src_tier, t.dst_tier, t.layers)].append(t)
     return dict(out)
+
+
+class GroupedPlan(list):
+    """A plan (a list of transfers, as any other) whose `group` is computed once.
+
+    NOTE: the migrator copies one promotion batch once per layer group (up to a call per
+    layer): grouping and sorting its few hundred transfers at every call cost about a sixth
+    of each call. Never mutate one after it is made (`groups` would go stale)."""
+
+    def __init__(self, transfers: Iterable[Transfer]) -> None:
+        super().__init__(transfers)
+        self.groups = group(list(self))

@@ -71,18 +71,18 @@ class BlockTree(BlockState):
                                     "through")
             stage = self.space.reserve(1, staged)[::-1]
             readiness.zero_copy = False
-        set_slot = self.copies.set_slot
+        pending, flight, all_slots = self.pending, self._flight, self._slots
         for b, s in zip(blocks, slots):
             src = fastest(b)
-            src_slot = self._slots[src][b]
+            src_slot = all_slots[src][b]
             if tiers[src].persistent and not direct:
                 h = stage.pop()
                 plan.append(Transfer(b, src, src_slot, 1, h))
                 src, src_slot = 1, h
             plan.append(Transfer(b, src, src_slot, DEVICE, s))
-            self.pending[b] = readiness
-            self._flight[b] += 1
-            set_slot(b, DEVICE, s)
+            pending[b] = readiness
+            flight[b] += 1
+        self.copies.set_slots(blocks, DEVICE, slots)
         return plan
 
     def commit_promotion(self, plan: list[Transfer], ok: bool,

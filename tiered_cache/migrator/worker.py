@@ -39,7 +39,7 @@ from tiered_cache.core import moves
 from tiered_cache.core.index import BlockIndex
 from tiered_cache.core.readiness import LayerReadiness
 from tiered_cache.core.tier import DEVICE
-from tiered_cache.core.transfer import Transfer
+from tiered_cache.core.transfer import GroupedPlan, Transfer
 from tiered_cache.errors import (
     CacheBrokenError,
     CapacityError,
@@ -250,7 +250,7 @@ class Migrator:
         # layer.
         whole = self._whole_sources
         staged = [t for t in plan if t.dst_tier != 0 or t.src_tier in whole]
-        to_device = [t for t in plan if t.dst_tier == 0 and t.src_tier not in whole]
+        to_device = GroupedPlan(t for t in plan if t.dst_tier == 0 and t.src_tier not in whole)
         num_layers = idx.num_layers
         # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
         # signalled as soon as it lands: small promotions would otherwise pay the per-call
