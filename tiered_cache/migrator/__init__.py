@@ -1,6 +1,4 @@
-"""Background data plane: the migrator (promotion, demotion, write-through) and the compactor.
-
-Installed as `tiered_cache.migrator` (the repo folder is `migrator/`)."""
+"""Background data plane: the migrator (promotion, demotion, write-through) and the compactor."""
 
 from tiered_cache.migrator.compactor import Compactor
 from tiered_cache.migrator.health import ThreadHealth
