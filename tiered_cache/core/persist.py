@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tiered_cache.persist")
 
+CHAIN_MIN = 8
+"""Chains at least this long take `adopt`'s bulk path (below it the arrays cost more than they
+save)."""
+
 
 @dataclass(slots=True, eq=False, repr=False)
 class Persistence:
@@ -94,6 +98,9 @@ class Persistence:
             prefix, key_of = ix.prefix, ix.hasher.key
             nbytes = 4 * ix.block_size
             ix.space.unreserve(tier, len(entries))
+            rows = self._adopt_chain(tier, root_id, entries)
+            if rows is not None:
+                return rows
             taken: list[int] = []
             made: list[tuple[int, RecordMeta]] = []     # (slot, meta) of those taken
             up: list[int] = []      # per taken: its parent's id here, or -2 - (its index)
@@ -172,6 +179,82 @@ class Persistence:
             for i in order:
                 set_slot(rows[i], tier, made[i][0])
             return [b if b == NO_BLOCK else rows[b] for b in taken]
+
+    def _adopt_chain(self, tier: int, root_id: int, entries: list) -> list[int] | None:
+        """`adopt`'s common case in bulk (lock held, the slots unreserved): `entries` are one
+        chain (each block the child of the one before) of at least CHAIN_MIN blocks, and every
+        block passes the checks. Returns the new blocks, or None, having changed nothing, when
+        anything differs (the general path then finds which entries to refuse).
+
+        NOTE: the keys are checked in one compiled call (`hasher.keys`, from the chain's
+        parent key) and compared key by key (a joined comparison would let keys of wrong
+        lengths through); the new blocks' rows, links and copies are set by array, as the
+        general path sets them one by one: tests/core/test_persist.py compares the two."""
+        n = len(entries)
+        if n < CHAIN_MIN:
+            return None
+        ix = self.ix
+        t = ix.blocks
+        prefix = ix.prefix
+        metas = [m for _, m in entries]
+        keys = [m.key for m in metas]
+        toks = [m.tokens for m in metas]
+        m0 = metas[0]
+        d0, root, bs = m0.depth, ix.root_keys[root_id], ix.block_size
+        if ([m.parent for m in metas[1:]] != keys[:-1]
+                or [m.depth for m in metas] != list(range(d0, d0 + n))
+                or any(m.root != root for m in metas)
+                or any(len(x) != 4 * bs for x in toks)
+                or len(set(keys)) != n or not prefix.keys().isdisjoint(keys)):
+            return None
+        if d0 == 0:
+            if m0.parent != root:
+                return None
+            parent = NO_BLOCK
+        else:
+            parent = prefix.get(m0.parent, NO_BLOCK)
+            if parent == NO_BLOCK or t.root_id[parent] != root_id or \
+                    t.depth[parent] != d0 - 1:
+                return None
+        tokens = np.frombuffer(bytearray(b"".join(toks)), dtype="<i4")    # (writable: the
+        # compiled kernel is warmed up for writable arrays)
+        got = ix.hasher.keys(m0.parent, tokens, 0, n)
+        if [got[i:i + 16] for i in range(0, 16 * n, 16)] != keys:
+            return None
+        rows, at = t.new_run_ids(d0, n)
+        ids = at if at is not None else np.asarray(rows, dtype=np.intp)
+        pv = t.view("parent")
+        pv[ids[1:]] = ids[:-1]
+        pv[ids[0]] = parent
+        t.view("root_id")[ids] = root_id
+        t.view("hits")[ids] = [m.hits for m in metas]
+        t.view("last_access")[ids] = ix.clock
+        t.view("inserted_at")[ids] = ix.clock
+        t.tokens[ids] = tokens.reshape(n, bs)
+        key = t.key
+        for b, k in zip(rows, keys):                # the tokens are in: publish
+            key[b] = k
+        t.view("published")[ids] = 1
+        prefix.update(zip(keys, rows))
+        # links: each block the only child of the one before, the first one a child of parent
+        t.view("first_child")[ids[:-1]] = ids[1:]
+        t.view("first_child")[ids[-1]] = NO_BLOCK
+        t.view("next_sibling")[ids] = NO_BLOCK
+        t.view("prev_sibling")[ids] = NO_BLOCK
+        if parent != NO_BLOCK:
+            ix._link(parent, rows[0])
+        # copies, as in `adopt`'s chain case: only the leaf becomes a candidate, the chain's
+        # parent may stop being one
+        state = ix.tiers[tier]
+        slots = np.fromiter((s for s, _ in entries), dtype=np.intp, count=n)
+        t.view("slots", tier)[ids] = slots
+        np.frombuffer(state.owner, dtype=np.int32)[slots] = ids
+        t.view("resident_children", tier)[ids[:-1]] = 1
+        ix._refresh(rows[-1])
+        if parent != NO_BLOCK:
+            ix._kids[tier][parent] += 1
+            ix._refresh(parent)
+        return rows
 
     def copies_with_hits(self, tier: int) -> tuple[list[int], list[int]]:
         """(slots, use counts) of every published block with a copy in `tier`."""
