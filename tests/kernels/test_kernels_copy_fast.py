@@ -90,12 +90,18 @@ def test_a_route_follows_a_new_storage_and_goes_with_its_tensor():
     assert torch.equal(fresh[3], gpu[:, :, 2])          # written to the new storage
     assert not fresh[0].any()
     assert host_copy._routes[_key(gpu, host)] is not first
-    # a view dropped (a pool resized gets new views): its route goes with it
-    view = host[:5]
-    copy_blocks_to_host(gpu, [5], view, [4])
-    assert torch.equal(host[4], gpu[:, :, 5])
-    key = _key(gpu, view)
+    # a view made afresh for each call (a permuted pool) finds its route again
+    copy_blocks_to_host(gpu.permute(0, 1, 2, 3, 4, 5), [4], host, [5])
+    again = host_copy._routes[_key(gpu, host)]
+    copy_blocks_to_host(gpu.permute(0, 1, 2, 3, 4, 5), [5], host, [6])
+    assert host_copy._routes[_key(gpu, host)] is again
+    assert torch.equal(fresh[6], gpu[:, :, 5])
+    # a pool tensor dropped (a pool resized gets new tensors): its routes go with it
+    other = torch.zeros_like(host)
+    copy_blocks_to_host(gpu, [1], other[:4], [2])
+    assert torch.equal(other[2], gpu[:, :, 1])
+    key = _key(gpu, other)
     assert key in host_copy._routes
-    del view
+    del other
     gc.collect()
     assert key not in host_copy._routes

@@ -154,10 +154,10 @@ class _Route:
 
     NOTE: a migrator's copies are a few MiB each, and working this out cost ~50 us a call
     (two storage views, strides, alignment), a tenth of a 16-block promotion's layer group.
-    A route is reused only for the same two tensor objects with the same storage pointer,
-    shape and strides (`_fingerprint`); it holds the tensors weakly (a pool replaced on
-    resize drops its routes) and its storage views keep those storages alive, so no other
-    storage can take the same address while the route exists."""
+    A route is reused only for views of the same two tensor objects (`_owner`) with the same
+    storage pointer, shape and strides (`_fingerprint`); it holds those tensors weakly (a pool
+    replaced on resize drops its routes) and its storage views keep the storages alive, so no
+    other storage can take the same address while the route exists."""
 
     __slots__ = ("refs", "prints", "chunk", "slot_major", "src_geo", "dst_geo", "src_bytes",
                  "dst_bytes", "words", "src_words", "dst_words", "src_geo_words",
@@ -168,7 +168,7 @@ class _Route:
         def forget(_ref, key=key):
             _routes.pop(key, None)
 
-        self.refs = (weakref.ref(src, forget), weakref.ref(dst, forget))
+        self.refs = (weakref.ref(_owner(src), forget), weakref.ref(_owner(dst), forget))
         self.prints = (_fingerprint(src), _fingerprint(dst))
         self.chunk = chunk = math.prod(src.shape[3:]) * src.element_size()
         # NOTE: chunks go in the source's memory order (slot-major out of a block-major pool,
@@ -188,7 +188,7 @@ class _Route:
                                                  + self.dst_geo[0], *self.dst_geo[1:])
 
     def serves(self, src: torch.Tensor, dst: torch.Tensor) -> bool:
-        return (self.refs[0]() is src and self.refs[1]() is dst
+        return (self.refs[0]() is _owner(src) and self.refs[1]() is _owner(dst)
                 and self.prints == (_fingerprint(src), _fingerprint(dst)))
 
 
@@ -200,9 +200,16 @@ def _fingerprint(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was made of (t itself if none): a route is kept per owner, so a view
+    made afresh for each call (the daemon's permuted staging pool) finds its route again."""
+    base = t._base
+    return t if base is None else base
+
+
 def _route(src: torch.Tensor, src_dims: tuple[int, int, int], dst: torch.Tensor,
            dst_dims: tuple[int, int, int]) -> _Route:
-    key = (id(src), id(dst), src_dims, dst_dims)
+    key = (id(_owner(src)), id(_owner(dst)), src_dims, dst_dims)
     r = _routes.get(key)
     if r is None or not r.serves(src, dst):
         if len(_routes) >= _MAX_ROUTES:
