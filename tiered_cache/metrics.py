@@ -101,6 +101,11 @@ class CacheCollector(Collector):
                                       "miss, never data)", labels=["tier"])
         for name, t in slot_tiers.items():
             corrupt.add_metric([name], t["corrupt_blocks"])
+        policy_failed = CounterMetricFamily(f"{PREFIX}_policy_failures",
+                                            "Failures of a user eviction policy (the tier "
+                                            "uses LRU after the first)", labels=["tier"])
+        for name, t in slot_tiers.items():
+            policy_failed.add_metric([name], t["policy_failures"])
         recovered = CounterMetricFamily(f"{PREFIX}_recovered_blocks",
                                         "Blocks rebuilt from persisted records at start-up")
         recovered.add_metric([], s["recovered_blocks"])
@@ -149,7 +154,8 @@ class CacheCollector(Collector):
         yield from (query, hit, inflight, aborts, evictions, capacity, used, pinned, moves,
                     moved_bytes, collisions, cached, open_seqs, failures, retries, sync,
                     compaction, frag,
-                    degraded, background, alive, corrupt, recovered, loaded, load_failed,
+                    degraded, background, alive, corrupt, policy_failed, recovered, loaded,
+                    load_failed,
                     skipped, put, store_errors, store_up,
                     _histogram("lock_hold_seconds", "Control-plane lock hold time, per hold",
                                index.lock.holds),

@@ -107,6 +107,8 @@ class TierState:
             "evictions": self.evictions,
             "fragmentation": self.allocator.fragmentation(),
             "corrupt_blocks": self.corrupt,
+            # a user policy's failures (policies/guard.py: the tier uses LRU after the first)
+            "policy_failures": getattr(self.policy, "policy_failures", 0),
         }
 
 

@@ -1,0 +1,206 @@
+"""A user policy that raises or lies cannot break the cache (policies/guard.py).
+
+The policy is loaded by path, as a user's would be (`tests/policies/flaky.py`). Every test
+checks what a user would: the KV served for every hit is the KV written for those tokens
+(`check_pattern`), the failure is counted and logged once, the tier goes on with LRU, and the
+core invariants hold when the test ends (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import check_invariants, check_pattern, make_cache, tokens, write_pattern_all
+from tests.policies import flaky
+from tiered_cache.errors import CapacityError
+from tiered_cache.metrics import CacheCollector
+from tiered_cache.policies import GuardedPolicy, LRUPolicy, guarded
+
+PATH = "tests.policies.flaky:FlakyPolicy"
+OFFER_PATH = "tests.policies.flaky:FlakyOfferPolicy"      # offer, not offer_run
+
+
+def path_for(hook: str) -> str:
+    return OFFER_PATH if hook == "offer" else PATH
+GUARD_LOG = "tiered_cache.policies.guard"
+
+
+def flaky_cache(path: str = PATH, **kw):
+    return make_cache(policy=path, gpu_blocks=12, host_blocks=0, **kw)
+
+
+def prompts(n: int, length: int = 10, shared: int = 4) -> list[list[int]]:
+    """n prompts of `length` tokens (2 full blocks and a part), the first `shared` tokens
+    common to all (one shared block)."""
+    return [tokens(shared, start=0) + tokens(length - shared, start=1000 + 100 * i)
+            for i in range(n)]
+
+
+def serve(cache, p) -> None:
+    """One request: hits are checked against the pattern, the rest written."""
+    s = cache.open(p)
+    try:
+        if s.num_cached_tokens:
+            check_pattern(cache, s)
+            # the rest of the prompt is computed
+        write_pattern_all(cache, s)
+        check_pattern(cache, s)
+    finally:
+        cache.close(s)
+
+
+def workload(cache, rounds: int = 3) -> None:
+    """Fills the device tier past its capacity (evictions, leaves then parents), reuses
+    prompts (hits: access_many), keeps one sequence open across the pressure, and resizes."""
+    ps = prompts(8)
+    for _ in range(rounds):
+        for p in ps:
+            serve(cache, p)
+    kept = cache.open(ps[0])
+    write_pattern_all(cache, kept)
+    flaky.PLAN.open_blocks = list(kept.blocks)
+    for p in prompts(6, shared=0, length=9)[::-1]:
+        try:
+            serve(cache, [t + 50_000 for t in p])
+        except CapacityError:
+            pass
+    check_pattern(cache, kept)
+    cache.close(kept)
+    cache.resize("gpu", 10)
+    for p in ps[:4]:
+        serve(cache, p)
+    cache.resize("gpu", 12)
+    # what a background demotion asks (core/eviction.py take_victims): victims(n)
+    for _ in range(2):
+        with cache.locked():
+            for v in cache.index.space.take_victims(0, 2):
+                cache.index.space.recheck(v)
+    for p in ps[4:6]:
+        serve(cache, p)
+    for _ in range(2):
+        cache.stats()                   # evictable_blocks: len(policy)
+
+
+@pytest.fixture(autouse=True)
+def fresh_plan():
+    flaky.reset()
+    yield
+    flaky.reset()
+
+
+def test_builtin_policies_are_not_wrapped_user_policies_are():
+    cache = make_cache(policy="adaptive")
+    assert not isinstance(cache.index.tiers[0].policy, GuardedPolicy)
+    cache = flaky_cache()
+    pol = cache.index.tiers[0].policy
+    assert isinstance(pol, GuardedPolicy) and isinstance(pol.inner, flaky.FlakyPolicy)
+    assert guarded(pol.inner) and not guarded(LRUPolicy(4, blocks=cache.index.blocks))
+    assert pol.name == "flaky" and pol.offers_runs
+
+
+def test_the_workload_reaches_every_hook():
+    """So that each parametrised case below makes its hook fail for real."""
+    for hook in flaky.HOOKS:
+        flaky.reset()
+        cache = flaky_cache(path_for(hook))
+        workload(cache)
+        assert flaky.PLAN.calls[hook] >= 2, (hook, flaky.PLAN.calls)
+        assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 0
+
+
+@pytest.mark.parametrize("hook", flaky.HOOKS)
+def test_a_hook_that_raises_falls_back_to_lru(hook, caplog):
+    flaky.reset(hook=hook, at=2)
+    cache = flaky_cache(path_for(hook))
+    with caplog.at_level(logging.ERROR, logger=GUARD_LOG):
+        workload(cache)
+    assert flaky.PLAN.raised == 1
+    pol = cache.index.tiers[0].policy
+    assert isinstance(pol.inner, LRUPolicy)
+    assert pol.failed_policy == type(flaky_cache(path_for(hook)).index.tiers[0].policy.inner
+                                     ).__qualname__
+    st_ = cache.stats()["tiers"]["gpu"]
+    assert st_["policy_failures"] == 1
+    errors = [r for r in caplog.records if r.name == GUARD_LOG]
+    assert len(errors) == 1 and hook in errors[0].getMessage()
+    assert errors[0].exc_info is not None       # the traceback is in the log
+    check_invariants(cache)
+    # and the cache goes on serving
+    workload(cache, rounds=1)
+    check_invariants(cache)
+
+
+@pytest.mark.parametrize("hook,lie", [
+    ("victim", "pinned"), ("victim", "out_of_range"), ("victim", "not_int"),
+    ("victim", "empty"), ("victims", "pinned"), ("victims", "duplicate"),
+    ("victims", "empty"), ("offer", "not_bool"), ("offer_run", "too_many")])
+def test_a_lie_is_caught_before_the_index_acts_on_it(hook, lie):
+    """A victim that is pinned (an open sequence reads it), out of range or not an int, or
+    "none left" while candidates exist, a repeated victim, a non-bool offer, an offer_run
+    count past the run: refused, counted, and the tier goes on with LRU. The open
+    sequence's KV stays its own (its blocks are never evicted under it)."""
+    cache = flaky_cache(path_for(hook))
+    ps = prompts(5)
+    for p in ps:
+        serve(cache, p)
+    kept = cache.open(ps[0])
+    write_pattern_all(cache, kept)
+    flaky.reset(hook=hook, at=1, lie=lie)
+    flaky.PLAN.open_blocks = list(kept.blocks)
+    if hook == "victims":
+        # victims(n) is what a background demotion asks for (core/eviction.py take_victims)
+        with cache.locked():
+            got = cache.index.space.take_victims(0, 2)
+            for v in got:
+                cache.index.space.recheck(v)
+        assert all(v not in kept.blocks for v in got)
+    else:
+        for p in prompts(6, shared=0)[::-1]:
+            try:
+                serve(cache, [t + 70_000 for t in p])
+            except CapacityError:
+                pass
+    assert flaky.PLAN.calls[hook] >= 1
+    check_pattern(cache, kept)
+    cache.close(kept)
+    s = cache.open(ps[0])
+    assert s.num_cached_tokens > 0
+    check_pattern(cache, s)
+    cache.close(s)
+    pol = cache.index.tiers[0].policy
+    assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 1
+    assert isinstance(pol.inner, LRUPolicy)
+
+
+def test_failures_are_a_metric():
+    flaky.reset(hook="insert", at=3)
+    cache = flaky_cache()
+    workload(cache, rounds=1)
+    families = CacheCollector(cache.stats, cache.index).collect()
+    text = "\n".join(f"{m.name} {s.labels} {s.value}" for m in families for s in m.samples
+                     if m.name.startswith("tiered_cache_policy_failures"))
+    assert "{'tier': 'gpu'} 1" in text, text
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), rate=st.sampled_from([0.01, 0.05, 0.2]),
+       order=st.permutations(range(8)))
+def test_random_failures_never_serve_wrong_kv(seed, rate, order):
+    """Any hook fails at random (after the first failure the tier is LRU, ours): every hit
+    is still the KV of its tokens, and the invariants hold after each request."""
+    flaky.reset(rate=rate, seed=seed)
+    cache = flaky_cache()
+    ps = prompts(8)
+    for i in order + order[:4]:
+        try:
+            serve(cache, ps[i])
+        except CapacityError:
+            pass
+        check_invariants(cache)
+    # (after its first failure the tier's policy is LRU: the flaky one is never called again)
+    assert flaky.PLAN.raised <= 1
+    assert cache.stats()["tiers"]["gpu"]["policy_failures"] == flaky.PLAN.raised
