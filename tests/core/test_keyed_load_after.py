@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.test_interrupts import Injector
+from tiered_cache.core import atomic
 from tiered_cache.core.index import BlockIndex
 from tiered_cache.core.invariants import check_invariants
 from tiered_cache.core.tier import TierSpec
@@ -170,6 +171,10 @@ def test_a_promote_that_raises_rolls_the_load_back():
 
 
 def _attempt(k: int | None):
+    # NOTE: SIGINT's handler deferred inside commit sections, as a TieredKVCache installs it
+    # when it is built (core/atomic.py): this index is built alone, and the sweep would
+    # otherwise depend on whether an earlier test in the same worker had built a cache.
+    atomic.install()
     idx, root, rid, tokens, keys = setup(4)
     seq = idx.open_blocks(rid, root, tokens)
     promote = Promotions()
