@@ -102,7 +102,7 @@ class CacheCollector(Collector):
         for name, t in slot_tiers.items():
             corrupt.add_metric([name], t["corrupt_blocks"])
         policy_failed = CounterMetricFamily(f"{PREFIX}_policy_failures",
-                                            "Failures of a user eviction policy (the tier "
+                                            "Failures of the eviction policy (the tier "
                                             "uses LRU after the first)", labels=["tier"])
         for name, t in slot_tiers.items():
             policy_failed.add_metric([name], t["policy_failures"])

@@ -204,3 +204,88 @@ def test_random_failures_never_serve_wrong_kv(seed, rate, order):
     # (after its first failure the tier's policy is LRU: the flaky one is never called again)
     assert flaky.PLAN.raised <= 1
     assert cache.stats()["tiers"]["gpu"]["policy_failures"] == flaky.PLAN.raised
+
+
+# ---------------------------------------------------------------- built-in policies
+# Not wrapped (the hot path), but the index calls their hooks inside `try` and, should one
+# fail, puts LRU in its place (core/tier.py TierState.fail_over): the same outcome.
+
+BUILTIN_HOOKS = ("insert", "remove", "access_many", "victim", "offer_run", "victims", "resize")
+"""The hooks this workload reaches on both built-ins (`offer` is reached through `offer_run`
+only, and LRU's device tier never hears `access_many`: it keys candidates only)."""
+
+
+def break_hook(policy, hook: str, at: int, lie=None) -> dict:
+    """Make `policy`'s `hook` (an instance attribute over the bound method, which every call
+    site reads) raise, or answer `lie(policy)`, at its at-th call; returns the call count."""
+    real = getattr(policy, hook)
+    seen = {"calls": 0}
+
+    def broken(*args, **kwargs):
+        seen["calls"] += 1
+        if seen["calls"] == at:
+            if lie is not None:
+                return lie(policy)
+            real(*args, **kwargs)           # its state changed, then it raises
+            raise flaky.PolicyBug(f"built-in {hook}: call {at}")
+        return real(*args, **kwargs)
+
+    setattr(policy, hook, broken)
+    return seen
+
+
+@pytest.mark.parametrize("name,hook", [(n, h) for n in ("lru", "adaptive")
+                                       for h in BUILTIN_HOOKS
+                                       if (n, h) != ("lru", "access_many")])
+def test_a_builtin_hook_that_raises_falls_back_to_lru(name, hook, caplog):
+    cache = make_cache(policy=name, gpu_blocks=12, host_blocks=0)
+    pol = cache.index.tiers[0].policy
+    assert not isinstance(pol, GuardedPolicy)
+    seen = break_hook(pol, hook, at=2)
+    with caplog.at_level(logging.ERROR, logger=GUARD_LOG):
+        workload(cache)
+    assert seen["calls"] >= 2, f"{name} reached {hook} {seen['calls']} times"
+    now = cache.index.tiers[0].policy
+    assert isinstance(now, GuardedPolicy) and isinstance(now.inner, LRUPolicy)
+    assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 1
+    assert [r for r in caplog.records if r.name == GUARD_LOG][0].exc_info is not None
+    check_invariants(cache)
+    workload(cache, rounds=1)
+
+
+@pytest.mark.parametrize("name", ["lru", "adaptive"])
+def test_a_builtin_victim_that_is_pinned_is_refused(name):
+    """Should a built-in policy ever name a pinned block, it is not evicted under its
+    reader: the index checks the candidate bit of every victim before acting on it."""
+    cache = make_cache(policy=name, gpu_blocks=12, host_blocks=0)
+    ps = prompts(5)
+    for p in ps:
+        serve(cache, p)
+    kept = cache.open(ps[0])
+    write_pattern_all(cache, kept)
+    pinned = kept.blocks[0]
+    seen = break_hook(cache.index.tiers[0].policy, "victim", at=1, lie=lambda _: pinned)
+    for p in prompts(6, shared=0)[::-1]:
+        try:
+            serve(cache, [t + 70_000 for t in p])
+        except CapacityError:
+            pass
+    assert seen["calls"] >= 1
+    check_pattern(cache, kept)
+    cache.close(kept)
+    assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 1
+
+
+def test_a_failure_inside_open_leaves_no_pin_behind():
+    """The case that used to leak: access_many raising inside open(), after the pins. The
+    open now succeeds (LRU hears the chain), and closing it unpins every block."""
+    cache = make_cache(policy="adaptive", gpu_blocks=12, host_blocks=0)
+    p = prompts(1)[0]
+    serve(cache, p)
+    break_hook(cache.index.tiers[0].policy, "access_many", at=1)
+    s = cache.open(p)
+    assert s.num_cached_tokens == 8
+    check_pattern(cache, s)
+    cache.close(s)
+    assert cache.stats()["tiers"]["gpu"]["pinned_blocks"] == 0
+    check_invariants(cache)

@@ -156,10 +156,15 @@ class BatchOps(BlockTree):
                     continue
                 hear = ids[has & ((cand >> tier.index) & 1).astype(bool)]
             # one call per chain (policies/base.py)
-            if keys is not None and hear is ids and tier.policy.takes_chain_keys:
-                tier.policy.access_many(hear, keys=keys)
-            else:
-                tier.policy.access_many(hear)
+            # NOTE: this runs after the pins, where nothing may fail: a policy that raises
+            # is replaced by LRU (TierState.fail_over), which hears the chain instead.
+            try:
+                if keys is not None and hear is ids and tier.policy.takes_chain_keys:
+                    tier.policy.access_many(hear, keys=keys)
+                else:
+                    tier.policy.access_many(hear)
+            except Exception as exc:
+                tier.fail_over(t, "access_many", exc).access_many(hear)
         return served
 
     def _publish_chain(self, seq, first: int, ready: int, parent: int) -> list[int]:

@@ -257,7 +257,8 @@ class Space:
         first_child = ix.blocks.first_child
         others = [s for i, s in enumerate(slots) if i != t]
         later = slots[t + 1:]
-        clear = ~(1 << t)
+        bit = 1 << t
+        clear = ~bit
         admit = ix.tiers[below].admit_min_hits if below is not None else 0
         # NOTE: the slots of dropped leaves are freed in one sorted batch at the end (a chain
         # leaves as one run: one merge in the allocator instead of one per block), so what is
@@ -272,7 +273,15 @@ class Space:
                 if nxt >= 0:
                     v, nxt = nxt, -1
                 else:
-                    v = victim()
+                    try:
+                        v = victim()
+                        if v >= 0 and not cand[v] & bit:
+                            # NOTE: never evict what the policy may not offer (pinned, in
+                            # flight, a parent): the reader's slot would go to other KV.
+                            raise ValueError(f"victim() returned {v}, not a candidate")
+                    except Exception as failure:
+                        victim = tier.fail_over(ix.blocks, "victim", failure).victim
+                        v = victim()
                 if v < 0:
                     # Room counted blocks that are not candidates yet (a parent whose child
                     # is in flight): transient when copies under way will change that.
@@ -410,9 +419,18 @@ class Space:
                 break
             if missing <= 0:
                 cand[p] |= bit
-                insert(p)
+                try:
+                    insert(p)
+                except Exception as exc:
+                    tier.fail_over(table, "insert", exc, add=p)
                 break
-            if not offer(p):
+            try:
+                took = offer(p)
+            except Exception as exc:
+                policy = tier.fail_over(table, "offer", exc)
+                offer, insert = policy.offer, policy.insert
+                took = offer(p)
+            if not took:
                 cand[p] |= bit          # inserted
                 break
             # p is the policy's victim now (taken: its candidate bit stays clear)
@@ -455,7 +473,10 @@ class Space:
         first_child = table.view("first_child")
         chains.unlink_run(out, 0, m, first_child, kids, False)
         run = out[:m].tolist()
-        k = tier.policy.offer_run(run)
+        try:
+            k = tier.policy.offer_run(run)
+        except Exception as exc:
+            k = tier.fail_over(table, "offer_run", exc).offer_run(run)
         if k + 1 < m:                   # not reached: they keep their child
             chains.unlink_run(out, k + 1, m, first_child, kids, True)
         if k:
@@ -515,11 +536,17 @@ class Space:
     def take_victims(self, t: int, n: int) -> list[int]:
         """Up to n candidates of tier t by its policy, no longer candidates (the caller moves
         or clears their copy in t before the lock is released)."""
-        got = self.ix.tiers[t].policy.victims(n)
-        bit = ~(1 << t)
+        tier = self.ix.tiers[t]
         cand = self.ix._cand
+        bit = 1 << t
+        try:
+            got = tier.policy.victims(n)
+            if len(set(got)) != len(got) or not all(cand[v] & bit for v in got):
+                raise ValueError(f"victims({n}) returned {got[:8]}: not distinct candidates")
+        except Exception as exc:
+            got = tier.fail_over(self.ix.blocks, "victims", exc).victims(n)
         for v in got:
-            cand[v] &= bit
+            cand[v] &= ~bit
         return got
 
     def recheck(self, b: int) -> None:
@@ -558,7 +585,7 @@ class Space:
             delta = n - tier.allocator.num_slots
             tier.allocator.grow(delta)
             tier.owner.extend([NO_BLOCK] * delta)
-            tier.policy.resize(n)
+            tier.resize_policy(ix.blocks, n)
             table = ix.blocks
             need = sum(x.allocator.num_slots for x in ix.tiers) + 1
             if table.capacity < need:

@@ -62,7 +62,7 @@ def shrink(idx: BlockIndex, t: int, n: int, timeout: float | None, *,
     alloc = tier.allocator
     with idx.locked():
         alloc.begin_shrink(n)
-        tier.policy.resize(n)
+        tier.resize_policy(idx.blocks, n)
     failures = 0
     try:
         while True:
@@ -86,7 +86,7 @@ def shrink(idx: BlockIndex, t: int, n: int, timeout: float | None, *,
     except BaseException:
         with idx.locked():
             alloc.cancel_shrink()
-            tier.policy.resize(alloc.num_slots)
+            tier.resize_policy(idx.blocks, alloc.num_slots)
         raise
     if backing is not None:
         backing.resize(n)               # gives the emptied segments' memory back

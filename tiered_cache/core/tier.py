@@ -8,7 +8,8 @@ from array import array
 from dataclasses import dataclass, field
 
 from tiered_cache.core.allocator import SlotAllocator
-from tiered_cache.core.blocks import NO_BLOCK
+from tiered_cache.core.blocks import NO_BLOCK, BlockTable
+from tiered_cache.policies import fail_over
 from tiered_cache.policies.base import CachePolicy
 
 DEVICE = 0
@@ -79,6 +80,19 @@ class TierState:
         # drains the tail.
         self.owner = array("i", [NO_BLOCK]) * self.allocator.num_slots
 
+    def fail_over(self, blocks: BlockTable, hook: str, exc: BaseException, add: int = -1,
+                  drop: int = -1, capacity: int | None = None) -> CachePolicy:
+        """The tier's policy raised `exc` in `hook` (or answered what `exc` says): it is
+        replaced by LRU over the tier's candidates, logged and counted (policies/guard.py);
+        returns the new policy, for the caller to ask again. Lock held.
+
+        NOTE: the caller has already set or cleared the candidate bits the failed call was
+        about (`add`: a block being inserted, `drop`: one being removed), so the new policy
+        holds exactly what the old one was meant to hold once the call returned."""
+        self.policy = fail_over(self.policy, self.index, blocks, hook, exc, add, drop,
+                                capacity)
+        return self.policy
+
     def give_back(self, slot: int) -> None:
         """A slot no block holds any more returns to the allocator, or, in a persistent tier,
         waits (reserved) until the data plane has erased its record (`Space.take_erasures`).
@@ -89,6 +103,20 @@ class TierState:
             self.erasing.append(slot)
         else:
             self.allocator.free_one(slot)
+
+    def resize_policy(self, blocks: BlockTable, capacity: int) -> None:
+        """Tell the policy the tier's new capacity (replaced by LRU if it raises)."""
+        try:
+            self.policy.resize(capacity)
+        except Exception as exc:
+            self.fail_over(blocks, "resize", exc, capacity=capacity)
+
+    def num_candidates(self) -> int:
+        """len(policy): blocks evictable from this tier now."""
+        try:
+            return len(self.policy)
+        except Exception as exc:
+            return len(self.fail_over(self.policy.blocks, "__len__", exc))
 
     @property
     def capacity_blocks(self) -> int:
@@ -103,11 +131,11 @@ class TierState:
             "capacity_blocks": self.capacity_blocks,
             "used_blocks": self.used_blocks,
             "pinned_blocks": self.pinned_blocks,
-            "evictable_blocks": len(self.policy),
+            "evictable_blocks": self.num_candidates(),
             "evictions": self.evictions,
             "fragmentation": self.allocator.fragmentation(),
             "corrupt_blocks": self.corrupt,
-            # a user policy's failures (policies/guard.py: the tier uses LRU after the first)
+            # the policy's failures (policies/guard.py: the tier uses LRU after the first)
             "policy_failures": getattr(self.policy, "policy_failures", 0),
         }
 

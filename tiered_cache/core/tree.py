@@ -224,7 +224,15 @@ class BlockTree(BlockState):
         for tier in self.tiers:
             bit = 1 << tier.index
             if diff & bit:
+                # NOTE: a policy that raises is replaced by LRU over the bits just set
+                # (TierState.fail_over): the state above is already whole.
                 if want & bit:
-                    tier.policy.insert(b)
+                    try:
+                        tier.policy.insert(b)
+                    except Exception as exc:
+                        tier.fail_over(self.blocks, "insert", exc, add=b)
                 else:
-                    tier.policy.remove(b)
+                    try:
+                        tier.policy.remove(b)
+                    except Exception as exc:
+                        tier.fail_over(self.blocks, "remove", exc, drop=b)

@@ -13,7 +13,7 @@ from tiered_cache.policies.base import CachePolicy, PriorityPolicy
 from tiered_cache.policies.belady import BeladyPolicy
 from tiered_cache.policies.class_credit import ClassCreditPolicy
 from tiered_cache.policies.cost_aware import CostAwarePolicy
-from tiered_cache.policies.guard import GuardedPolicy
+from tiered_cache.policies.guard import GuardedPolicy, fail_over
 from tiered_cache.policies.hit_density import HitDensityPolicy
 from tiered_cache.policies.lfu import LFUPolicy
 from tiered_cache.policies.lru import LRUPolicy
@@ -120,4 +120,4 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
 __all__ = ["CachePolicy", "PriorityPolicy", "POLICIES", "resolve", "LRUPolicy", "LFUPolicy",
            "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy", "BeladyPolicy",
            "ReuseCreditPolicy", "ClassCreditPolicy", "HitDensityPolicy", "AdaptivePolicy",
-           "GuardedPolicy", "guarded"]
+           "GuardedPolicy", "guarded", "fail_over"]

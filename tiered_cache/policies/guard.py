@@ -200,3 +200,17 @@ class GuardedPolicy(CachePolicy):
             self._fail("__len__", exc)
             n = len(self.inner)
         return n
+
+
+def fail_over(policy: CachePolicy, tier: int, blocks: BlockTable, hook: str,
+              exc: BaseException, add: int = -1, drop: int = -1,
+              capacity: int | None = None) -> GuardedPolicy:
+    """The policy that takes over tier `tier` from `policy`, which raised `exc` in `hook` (or
+    answered what `exc` says): a `GuardedPolicy` already on LRU over the tier's candidates
+    (`add`: the block being inserted, `drop`: the one being removed). For a built-in policy:
+    the index calls its hooks directly and, should one fail, puts this in its place
+    (core/tier.py `TierState.fail_over`); a user policy is guarded from the start."""
+    g = policy if isinstance(policy, GuardedPolicy) else GuardedPolicy(policy, tier, blocks)
+    g._fail(hook, exc, add, drop, capacity)
+    return g
+
