@@ -9,6 +9,7 @@ core invariants hold when the test ends (tests/conftest.py).
 from __future__ import annotations
 
 import logging
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -288,4 +289,67 @@ def test_a_failure_inside_open_leaves_no_pin_behind():
     check_pattern(cache, s)
     cache.close(s)
     assert cache.stats()["tiers"]["gpu"]["pinned_blocks"] == 0
+    check_invariants(cache)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["lru", "adaptive"]), seed=st.integers(0, 2**32 - 1),
+       rate=st.sampled_from([0.02, 0.1, 0.3]), order=st.permutations(range(8)))
+def test_random_builtin_failures_never_serve_wrong_kv(name, seed, rate, order):
+    """A built-in policy's hooks fail at random: wherever the first failure lands (in a
+    refresh, in the middle of an eviction's chain walk), the replacement is the one every
+    later call reaches (no call site keeps the failed policy), every hit is the KV of its
+    tokens and the invariants hold after each request."""
+    rng = random.Random(seed)
+    cache = make_cache(policy=name, gpu_blocks=12, host_blocks=0)
+    pol = cache.index.tiers[0].policy
+    for hook in BUILTIN_HOOKS + ("offer",):
+        real = getattr(pol, hook)
+
+        def broken(*args, _real=real, _hook=hook, **kwargs):
+            if rng.random() < rate:
+                raise flaky.PolicyBug(f"built-in {_hook}: random failure")
+            return _real(*args, **kwargs)
+
+        setattr(pol, hook, broken)
+    # short prompts sharing a block, and long ones that evict several chains at once
+    ps = prompts(8) + [tokens(22, start=90_000 + 1000 * i) for i in range(4)]
+    for i in order + [8, 9] + order[:4] + [10, 11] + order[4:]:
+        try:
+            serve(cache, ps[i])
+        except CapacityError:
+            pass
+        check_invariants(cache)
+    assert cache.stats()["tiers"]["gpu"]["policy_failures"] <= 1
+
+
+@pytest.mark.parametrize("name", ["lru", "adaptive"])
+def test_after_a_fail_over_mid_eviction_the_failed_policy_is_never_asked_again(name):
+    """An eviction that needs several chains: the first chain's `offer_run` raises (the
+    policy is replaced inside `_leave_run`), and the victims after it, in the same eviction,
+    come from the replacement, not from a method of the failed one kept by the loop."""
+    cache = make_cache(policy=name, gpu_blocks=12, host_blocks=0)
+    for i in range(4):
+        serve(cache, tokens(12, start=10_000 * (i + 1)))        # 4 chains of 3 blocks
+    pol = cache.index.tiers[0].policy
+    calls = {"after": 0}
+    failed = {"yes": False}
+    real_victim, real_offer = pol.victim, pol.offer
+
+    def offer_run(run):
+        failed["yes"] = True
+        raise flaky.PolicyBug("offer_run")
+
+    def victim():
+        calls["after"] += failed["yes"]
+        return real_victim()
+
+    def offer(b):
+        calls["after"] += failed["yes"]
+        return real_offer(b)
+
+    pol.offer_run, pol.victim, pol.offer = offer_run, victim, offer
+    serve(cache, tokens(36, start=900_000))                      # evicts 9 blocks at once
+    assert failed["yes"] and calls["after"] == 0
+    assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 1
     check_invariants(cache)

@@ -251,7 +251,7 @@ class Space:
                       plan: list[Transfer]) -> None:
         ix = self.ix
         tier = ix.tiers[t]
-        slots, victim = ix._slots, tier.policy.victim
+        slots = ix._slots
         mine = slots[t]
         cand, ref, flight = ix._cand, ix._ref, ix._flight
         first_child = ix.blocks.first_child
@@ -273,15 +273,16 @@ class Space:
                 if nxt >= 0:
                     v, nxt = nxt, -1
                 else:
+                    # NOTE: `tier.policy` is read at every step, never kept: a policy that
+                    # fails anywhere in this loop (here, or in a refresh) is replaced.
                     try:
-                        v = victim()
+                        v = tier.policy.victim()
                         if v >= 0 and not cand[v] & bit:
                             # NOTE: never evict what the policy may not offer (pinned, in
                             # flight, a parent): the reader's slot would go to other KV.
                             raise ValueError(f"victim() returned {v}, not a candidate")
                     except Exception as failure:
-                        victim = tier.fail_over(ix.blocks, "victim", failure).victim
-                        v = victim()
+                        v = tier.fail_over(ix.blocks, "victim", failure).victim()
                 if v < 0:
                     # Room counted blocks that are not candidates yet (a parent whose child
                     # is in flight): transient when copies under way will change that.
@@ -355,8 +356,6 @@ class Space:
         the allocator (need() is asked again then)."""
         ix = self.ix
         tier = ix.tiers[t]
-        policy = tier.policy
-        offer, insert = policy.offer, policy.insert
         table = ix.blocks
         mine, owner, prefix, key, parent = ix._slots[t], tier.owner, ix.prefix, ix._key, \
             ix._parent
@@ -372,7 +371,7 @@ class Space:
         missing = need() - len(freed)
         start = len(rows)
         nxt = -1
-        runs = chain and not persistent and policy.offers_runs
+        runs = chain and not persistent and tier.policy.offers_runs
         dropped = False                 # v left already (a run's last block)
         while True:
             if not dropped:
@@ -420,16 +419,16 @@ class Space:
             if missing <= 0:
                 cand[p] |= bit
                 try:
-                    insert(p)
+                    tier.policy.insert(p)
                 except Exception as exc:
                     tier.fail_over(table, "insert", exc, add=p)
                 break
+            # NOTE: `tier.policy` read at each use: one that failed in `_leave_run` or a
+            # refresh meanwhile has been replaced.
             try:
-                took = offer(p)
+                took = tier.policy.offer(p)
             except Exception as exc:
-                policy = tier.fail_over(table, "offer", exc)
-                offer, insert = policy.offer, policy.insert
-                took = offer(p)
+                took = tier.fail_over(table, "offer", exc).offer(p)
             if not took:
                 cand[p] |= bit          # inserted
                 break
