@@ -26,6 +26,9 @@ the inserted block included (`add`) and the removed one excluded (`drop`).
 
 NOTE: built-in and registered policies are not wrapped (they run on the hot path, and the
 cache's state machine checks their invariants); `tiered_cache.policies.guarded` says which are.
+The index calls their hooks inside `try` instead and, should one raise, puts `fail_over`'s
+guard (already on LRU) in their place (core/tier.py `TierState.fail_over`); it checks the
+candidate bit of every victim of any policy itself (core/eviction.py).
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from tiered_cache.policies.lru import LRUPolicy
 
 log = logging.getLogger(__name__)
 
+
 class GuardedPolicy(CachePolicy):
-    """Tier `tier`'s user policy, checked; LRU from its first failure on."""
+    """Tier `tier`'s policy, checked; LRU from its first failure on."""
 
     name = "guarded"
 
@@ -144,8 +148,8 @@ class GuardedPolicy(CachePolicy):
                     not all(map(self._candidate, got)) or (not got and n > 0 and
                                                           self._members()):
                 raise ValueError(f"victims({n}) returned {got[:8]!r}"
-                                    f"{'...' if len(got) > 8 else ''}: not {n} or fewer "
-                                    "distinct candidates of this tier")
+                                 f"{'...' if len(got) > 8 else ''}: not {n} or fewer "
+                                 "distinct candidates of this tier")
             return [int(v) for v in got]
         except Exception as exc:
             self._fail("victims", exc)
