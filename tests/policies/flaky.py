@@ -1,5 +1,5 @@
 """User policies that fail on purpose, loaded by path as a user's would be
-(`policy: "tests.policies.flaky:FlakyPolicy"`): tests/policies/test_policy_guard.py.
+(`policy: "tests.policies.flaky:FlakyPolicy"`): tests/core/test_policy_fail_over.py.
 
 `FlakyPolicy` is LRU (a real `LRUPolicy` inside) with every hook written out, so each hook the
 index calls is this class's and counted; `PLAN` says which hook fails, at which call and how:

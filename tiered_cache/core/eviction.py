@@ -37,6 +37,9 @@ Run = Callable[[list[Transfer]], None]
 _SEEN_MAX = 1 << 16
 """Keys of blocks turned away from a tier remembered for admission (a second sighting admits)."""
 
+_BOOLS = (bool, np.bool_)
+"""What a policy's `offer` may answer (checked: core/tier.py `TierState.fail_over`)."""
+
 
 def no_copy(plan: list[Transfer]) -> None:
     """The copy executor of a metadata-only index: nothing to copy."""
@@ -275,12 +278,16 @@ class Space:
                 else:
                     # NOTE: `tier.policy` is read at every step, never kept: a policy that
                     # fails anywhere in this loop (here, or in a refresh) is replaced.
+                    # NOTE: every policy's answer is checked before it is acted on: a
+                    # victim that is not a candidate (pinned, in flight, a parent) would be
+                    # evicted under its reader and its slot given to other KV; "none left"
+                    # while candidates remain would fail the request for nothing.
                     try:
                         v = tier.policy.victim()
                         if v >= 0 and not cand[v] & bit:
-                            # NOTE: never evict what the policy may not offer (pinned, in
-                            # flight, a parent): the reader's slot would go to other KV.
                             raise ValueError(f"victim() returned {v}, not a candidate")
+                        if v < 0 and tier.has_candidates(ix.blocks):
+                            raise ValueError("victim() returned -1 with candidates left")
                     except Exception as failure:
                         v = tier.fail_over(ix.blocks, "victim", failure).victim()
                 if v < 0:
@@ -421,12 +428,14 @@ class Space:
                 try:
                     tier.policy.insert(p)
                 except Exception as exc:
-                    tier.fail_over(table, "insert", exc, add=p)
+                    tier.fail_over(table, "insert", exc)
                 break
             # NOTE: `tier.policy` read at each use: one that failed in `_leave_run` or a
             # refresh meanwhile has been replaced.
             try:
                 took = tier.policy.offer(p)
+                if type(took) not in _BOOLS:
+                    raise ValueError(f"offer({p}) returned {took!r}, not a bool")
             except Exception as exc:
                 took = tier.fail_over(table, "offer", exc).offer(p)
             if not took:
@@ -474,6 +483,8 @@ class Space:
         run = out[:m].tolist()
         try:
             k = tier.policy.offer_run(run)
+            if type(k) is not int or not 0 <= k <= m:
+                raise ValueError(f"offer_run of {m} blocks returned {k!r}")
         except Exception as exc:
             k = tier.fail_over(table, "offer_run", exc).offer_run(run)
         if k + 1 < m:                   # not reached: they keep their child
@@ -539,9 +550,12 @@ class Space:
         cand = self.ix._cand
         bit = 1 << t
         try:
-            got = tier.policy.victims(n)
-            if len(set(got)) != len(got) or not all(cand[v] & bit for v in got):
-                raise ValueError(f"victims({n}) returned {got[:8]}: not distinct candidates")
+            got = list(tier.policy.victims(n))
+            if len(got) > n or len(set(got)) != len(got) or \
+                    not all(cand[v] & bit for v in got) or \
+                    (not got and n > 0 and tier.has_candidates(self.ix.blocks)):
+                raise ValueError(f"victims({n}) returned {got[:8]}: not {n} or fewer "
+                                 "distinct candidates")
         except Exception as exc:
             got = tier.fail_over(self.ix.blocks, "victims", exc).victims(n)
         for v in got:

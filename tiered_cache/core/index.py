@@ -80,7 +80,6 @@ from tiered_cache.errors import (
 from tiered_cache.hashing import BlockHasher
 from tiered_cache.jit import LazyModule
 from tiered_cache.locking import HoldStats, TimedLock
-from tiered_cache.policies import GuardedPolicy, guarded
 from tiered_cache.policies.base import CachePolicy
 
 chains = LazyModule("tiered_cache.core.chains")
@@ -169,14 +168,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         self.blocks = BlockTable(len(specs), block_size, sum(s.num_slots for s in specs) + 1)
         self.tiers = []
         for i, spec in enumerate(specs):
-            pol = policy(spec.num_slots, self.blocks)
-            if guarded(pol):
-                # NOTE: a user policy is checked at every hook and replaced by LRU at its
-                # first failure (policies/guard.py): no policy can make the index evict a
-                # block that is not a candidate, or leave an operation half done.
-                pol = GuardedPolicy(pol, i, self.blocks)
             self.tiers.append(TierState(spec.name, spec.kind, i, SlotAllocator(spec.num_slots),
-                                        pol,
+                                        policy(spec.num_slots, self.blocks),
                                         persistent=spec.persistent,
                                         sync_target=spec.sync_target,
                                         admit_min_hits=spec.admit_min_hits,

@@ -124,6 +124,6 @@ def check_invariants(target) -> None:
                     _fail(f"block {b}: candidate[{tier.name}]="
                           f"{bool(t.candidate[b] >> i & 1)}, expected {want}")
                 n_candidates += want
-            if n_candidates != len(tier.policy):
-                _fail(f"tier {tier.name}: policy holds {len(tier.policy)} candidates, "
+            if n_candidates != tier.num_candidates():
+                _fail(f"tier {tier.name}: policy holds {tier.num_candidates()} candidates, "
                       f"expected {n_candidates}")

@@ -4,13 +4,18 @@ and its counters. No storage here: the pool that holds the tier's bytes is the d
 
 from __future__ import annotations
 
+import logging
 from array import array
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tiered_cache.core.allocator import SlotAllocator
 from tiered_cache.core.blocks import NO_BLOCK, BlockTable
-from tiered_cache.policies import fail_over
+from tiered_cache.policies import LRUPolicy
 from tiered_cache.policies.base import CachePolicy
+
+log = logging.getLogger("tiered_cache.policy")
 
 DEVICE = 0
 """The device tier is always tier 0 (attention reads it); slower tiers follow in speed order."""
@@ -74,24 +79,44 @@ class TierState:
     whole_records: bool = False
     erasing: list = field(default_factory=list)     # freed slots awaiting erasure (persistent)
     corrupt: int = 0                # records found corrupt (and dropped)
+    policy_failures: int = 0        # hooks that raised or answered wrong (`fail_over`)
+    failed_policy: str | None = None    # the class of the policy that failed first
 
     def __post_init__(self) -> None:
         # NOTE: sized by the allocator's slots, which exceed capacity_blocks while a shrink
         # drains the tail.
         self.owner = array("i", [NO_BLOCK]) * self.allocator.num_slots
 
-    def fail_over(self, blocks: BlockTable, hook: str, exc: BaseException, add: int = -1,
-                  drop: int = -1, capacity: int | None = None) -> CachePolicy:
-        """The tier's policy raised `exc` in `hook` (or answered what `exc` says): it is
-        replaced by LRU over the tier's candidates, logged and counted (policies/guard.py);
-        returns the new policy, for the caller to ask again. Lock held.
+    def fail_over(self, blocks: BlockTable, hook: str, exc: BaseException) -> CachePolicy:
+        """The tier's policy raised `exc` in `hook`, or answered what the index cannot use
+        (`exc` says what): the failure is counted, the first one logged with its traceback,
+        and an LRUPolicy over exactly the tier's candidates takes its place; returned for
+        the caller to ask again. Lock held.
 
-        NOTE: the caller has already set or cleared the candidate bits the failed call was
-        about (`add`: a block being inserted, `drop`: one being removed), so the new policy
-        holds exactly what the old one was meant to hold once the call returned."""
-        self.policy = fail_over(self.policy, self.index, blocks, hook, exc, add, drop,
-                                capacity)
-        return self.policy
+        NOTE: the candidate bits are the index's own (invariant 4), set before `insert(b)`,
+        cleared before `remove(b)`, unset for an offered block; so the bits read here are the
+        set the policy was meant to hold once the call returned, whatever the failed policy
+        did to its own state first."""
+        self.policy_failures += 1
+        old = self.policy
+        if self.failed_policy is None:
+            self.failed_policy = type(old).__qualname__
+            log.error("tier %s: eviction policy %s failed in %s (%s: %s); the tier uses LRU "
+                      "from now on", self.name, self.failed_policy, hook, type(exc).__name__,
+                      exc, exc_info=(type(exc), exc, exc.__traceback__))
+        lru = LRUPolicy(self.capacity_blocks, blocks=blocks,
+                        block_size=int(getattr(old, "block_size", 16)),
+                        cost_context_tokens=float(getattr(old, "cost_context_tokens",
+                                                          53_000.0)))
+        for b in np.flatnonzero(blocks.view("candidate") & (1 << self.index)).tolist():
+            lru.insert(b)
+        self.policy = lru
+        return lru
+
+    def has_candidates(self, blocks: BlockTable) -> bool:
+        """Whether any block is a candidate here by the index's bits (O(rows): asked only
+        when a policy says there is none)."""
+        return bool(np.any(blocks.view("candidate") & (1 << self.index)))
 
     def give_back(self, slot: int) -> None:
         """A slot no block holds any more returns to the allocator, or, in a persistent tier,
@@ -109,7 +134,7 @@ class TierState:
         try:
             self.policy.resize(capacity)
         except Exception as exc:
-            self.fail_over(blocks, "resize", exc, capacity=capacity)
+            self.fail_over(blocks, "resize", exc).resize(capacity)
 
     def num_candidates(self) -> int:
         """len(policy): blocks evictable from this tier now."""
@@ -135,8 +160,7 @@ class TierState:
             "evictions": self.evictions,
             "fragmentation": self.allocator.fragmentation(),
             "corrupt_blocks": self.corrupt,
-            # the policy's failures (policies/guard.py: the tier uses LRU after the first)
-            "policy_failures": getattr(self.policy, "policy_failures", 0),
+            "policy_failures": self.policy_failures,    # (the tier uses LRU after the first)
         }
 
 

@@ -230,9 +230,9 @@ class BlockTree(BlockState):
                     try:
                         tier.policy.insert(b)
                     except Exception as exc:
-                        tier.fail_over(self.blocks, "insert", exc, add=b)
+                        tier.fail_over(self.blocks, "insert", exc)
                 else:
                     try:
                         tier.policy.remove(b)
                     except Exception as exc:
-                        tier.fail_over(self.blocks, "remove", exc, drop=b)
+                        tier.fail_over(self.blocks, "remove", exc)

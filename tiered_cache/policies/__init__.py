@@ -13,7 +13,6 @@ from tiered_cache.policies.base import CachePolicy, PriorityPolicy
 from tiered_cache.policies.belady import BeladyPolicy
 from tiered_cache.policies.class_credit import ClassCreditPolicy
 from tiered_cache.policies.cost_aware import CostAwarePolicy
-from tiered_cache.policies.guard import GuardedPolicy, fail_over
 from tiered_cache.policies.hit_density import HitDensityPolicy
 from tiered_cache.policies.lfu import LFUPolicy
 from tiered_cache.policies.lru import LRUPolicy
@@ -33,14 +32,6 @@ POLICIES: dict[str, type[CachePolicy]] = {
     "hit_density": HitDensityPolicy,
     "adaptive": AdaptivePolicy,
 }
-
-
-def guarded(policy: CachePolicy) -> bool:
-    """Whether the index wraps `policy` in a `GuardedPolicy` (policies/guard.py): a user
-    policy, loaded by path (`"pkg.module:Class"`), as is every class neither defined in this
-    package nor registered by name in `POLICIES`."""
-    cls = type(policy)
-    return not (cls.__module__.startswith(__name__ + ".") or cls in POLICIES.values())
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:
@@ -119,5 +110,4 @@ def resolve(spec: str, path: str = "policy") -> type[CachePolicy]:
 
 __all__ = ["CachePolicy", "PriorityPolicy", "POLICIES", "resolve", "LRUPolicy", "LFUPolicy",
            "CostAwarePolicy", "S3FIFOPolicy", "ARCPolicy", "BeladyPolicy",
-           "ReuseCreditPolicy", "ClassCreditPolicy", "HitDensityPolicy", "AdaptivePolicy",
-           "GuardedPolicy", "guarded", "fail_over"]
+           "ReuseCreditPolicy", "ClassCreditPolicy", "HitDensityPolicy", "AdaptivePolicy"]

@@ -1,6 +1,7 @@
-"""A user policy that raises or lies cannot break the cache (policies/guard.py).
+"""A policy that raises or lies cannot break the cache (core/tier.py `TierState.fail_over`,
+and the checks of its answers at the call sites: core/eviction.py, core/tree.py, core/batch.py).
 
-The policy is loaded by path, as a user's would be (`tests/policies/flaky.py`). Every test
+The user policy is loaded by path, as a user's would be (`tests/policies/flaky.py`). Every test
 checks what a user would: the KV served for every hit is the KV written for those tokens
 (`check_pattern`), the failure is counted and logged once, the tier goes on with LRU, and the
 core invariants hold when the test ends (tests/conftest.py).
@@ -19,7 +20,7 @@ from tests.helpers import check_invariants, check_pattern, make_cache, tokens, w
 from tests.policies import flaky
 from tiered_cache.errors import CapacityError
 from tiered_cache.metrics import CacheCollector
-from tiered_cache.policies import GuardedPolicy, LRUPolicy, guarded
+from tiered_cache.policies import LRUPolicy
 
 PATH = "tests.policies.flaky:FlakyPolicy"
 OFFER_PATH = "tests.policies.flaky:FlakyOfferPolicy"      # offer, not offer_run
@@ -27,7 +28,7 @@ OFFER_PATH = "tests.policies.flaky:FlakyOfferPolicy"      # offer, not offer_run
 
 def path_for(hook: str) -> str:
     return OFFER_PATH if hook == "offer" else PATH
-GUARD_LOG = "tiered_cache.policies.guard"
+POLICY_LOG = "tiered_cache.policy"
 
 
 def flaky_cache(path: str = PATH, **kw):
@@ -93,14 +94,17 @@ def fresh_plan():
     flaky.reset()
 
 
-def test_builtin_policies_are_not_wrapped_user_policies_are():
+def test_a_policy_is_used_as_given_until_it_fails():
+    """No wrapper on the hot path: the tier holds the configured policy itself, a user's
+    or a built-in one, and nothing is counted before a failure."""
     cache = make_cache(policy="adaptive")
-    assert not isinstance(cache.index.tiers[0].policy, GuardedPolicy)
+    assert type(cache.index.tiers[0].policy).__name__ == "AdaptivePolicy"
     cache = flaky_cache()
     pol = cache.index.tiers[0].policy
-    assert isinstance(pol, GuardedPolicy) and isinstance(pol.inner, flaky.FlakyPolicy)
-    assert guarded(pol.inner) and not guarded(LRUPolicy(4, blocks=cache.index.blocks))
+    assert type(pol) is flaky.FlakyPolicy
     assert pol.name == "flaky" and pol.offers_runs
+    tier = cache.index.tiers[0]
+    assert tier.policy_failures == 0 and tier.failed_policy is None
 
 
 def test_the_workload_reaches_every_hook():
@@ -117,16 +121,16 @@ def test_the_workload_reaches_every_hook():
 def test_a_hook_that_raises_falls_back_to_lru(hook, caplog):
     flaky.reset(hook=hook, at=2)
     cache = flaky_cache(path_for(hook))
-    with caplog.at_level(logging.ERROR, logger=GUARD_LOG):
+    with caplog.at_level(logging.ERROR, logger=POLICY_LOG):
         workload(cache)
     assert flaky.PLAN.raised == 1
-    pol = cache.index.tiers[0].policy
-    assert isinstance(pol.inner, LRUPolicy)
-    assert pol.failed_policy == type(flaky_cache(path_for(hook)).index.tiers[0].policy.inner
-                                     ).__qualname__
+    tier = cache.index.tiers[0]
+    assert type(tier.policy) is LRUPolicy
+    assert tier.failed_policy == type(flaky_cache(path_for(hook)).index.tiers[0].policy
+                                      ).__qualname__
     st_ = cache.stats()["tiers"]["gpu"]
     assert st_["policy_failures"] == 1
-    errors = [r for r in caplog.records if r.name == GUARD_LOG]
+    errors = [r for r in caplog.records if r.name == POLICY_LOG]
     assert len(errors) == 1 and hook in errors[0].getMessage()
     assert errors[0].exc_info is not None       # the traceback is in the log
     check_invariants(cache)
@@ -174,7 +178,7 @@ def test_a_lie_is_caught_before_the_index_acts_on_it(hook, lie):
     cache.close(s)
     pol = cache.index.tiers[0].policy
     assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 1
-    assert isinstance(pol.inner, LRUPolicy)
+    assert type(pol) is LRUPolicy
 
 
 def test_failures_are_a_metric():
@@ -208,8 +212,7 @@ def test_random_failures_never_serve_wrong_kv(seed, rate, order):
 
 
 # ---------------------------------------------------------------- built-in policies
-# Not wrapped (the hot path), but the index calls their hooks inside `try` and, should one
-# fail, puts LRU in its place (core/tier.py TierState.fail_over): the same outcome.
+# The same call sites, the same checks: a built-in policy that fails is met as a user's is.
 
 BUILTIN_HOOKS = ("insert", "remove", "access_many", "victim", "offer_run", "victims", "resize")
 """The hooks this workload reaches on both built-ins (`offer` is reached through `offer_run`
@@ -241,15 +244,15 @@ def break_hook(policy, hook: str, at: int, lie=None) -> dict:
 def test_a_builtin_hook_that_raises_falls_back_to_lru(name, hook, caplog):
     cache = make_cache(policy=name, gpu_blocks=12, host_blocks=0)
     pol = cache.index.tiers[0].policy
-    assert not isinstance(pol, GuardedPolicy)
+    assert type(pol) is not flaky.FlakyPolicy
     seen = break_hook(pol, hook, at=2)
-    with caplog.at_level(logging.ERROR, logger=GUARD_LOG):
+    with caplog.at_level(logging.ERROR, logger=POLICY_LOG):
         workload(cache)
     assert seen["calls"] >= 2, f"{name} reached {hook} {seen['calls']} times"
     now = cache.index.tiers[0].policy
-    assert isinstance(now, GuardedPolicy) and isinstance(now.inner, LRUPolicy)
+    assert now is not pol and type(now) is LRUPolicy
     assert cache.stats()["tiers"]["gpu"]["policy_failures"] == 1
-    assert [r for r in caplog.records if r.name == GUARD_LOG][0].exc_info is not None
+    assert [r for r in caplog.records if r.name == POLICY_LOG][0].exc_info is not None
     check_invariants(cache)
     workload(cache, rounds=1)
 
