@@ -113,10 +113,12 @@ def test_survey_pin_touch(seed, tiers):
     before = snapshot(t)
     copies = np.empty((tiers, len(ids)), dtype=bool)
     refs = np.empty(len(ids), dtype=np.int32)
-    got = chains.survey(ids, t.view("ref_count"), t.tier_views("slots"), copies, refs)
+    fastest = np.full(len(ids), 7, dtype=np.intp)
+    got = chains.survey(ids, t.view("ref_count"), t.tier_views("slots"), copies, refs, fastest)
     bl = ids.tolist()
     want_copies = [[t.slots[i][b] != NO_SLOT for b in bl] for i in range(tiers)]
     assert copies.tolist() == want_copies
+    assert fastest.tolist() == [t.fastest_tier(b) for b in bl]
     assert refs.tolist() == [t.ref_count[b] for b in bl]
     assert got == (sum(1 for b in bl if t.ref_count[b]),
                    sum(want_copies[0]),

@@ -487,7 +487,8 @@ def test_fast_paths_do_what_the_plain_paths_do(workload, gpu, host, monkeypatch)
     assert fast.tiers[0].policy.duel.rate == plain.tiers[0].policy.duel.rate
 
 
-@pytest.mark.parametrize("case", ["chain", "candidate", "gaps", "unpublished", "deep"])
+@pytest.mark.parametrize("case", ["chain", "candidate", "candidates", "gaps", "unpublished",
+                                  "deep"])
 def test_access_many_is_access_block_by_block(case):
     """One call for a reused chain does what `access` does block by block: the same duel, the
     same clock, the same switch pacing, whatever the chain holds."""
@@ -505,6 +506,9 @@ def test_access_many_is_access_block_by_block(case):
         parent = b
     for p in (one, many, keyed):
         p.insert(chain[-1])                        # published: the duel hears the chain
+        if case == "candidates":                   # the first, two adjacent, the last
+            for b in (chain[0], chain[5], chain[6], chain[9]):
+                p.insert(b)
     blocks = chain
     if case == "gaps":
         blocks = chain[::2]
@@ -512,7 +516,7 @@ def test_access_many_is_access_block_by_block(case):
         t.key[chain[7]] = None
     elif case == "deep":
         blocks = chain[4:]
-    if case != "candidate":
+    if case not in ("candidate", "candidates"):
         for p in (one, many, keyed):
             p.remove(chain[-1])
     for clock in (5, 9, 14):
@@ -529,7 +533,7 @@ def test_access_many_is_access_block_by_block(case):
                               keys=b"".join(t.key[b] for b in blocks))
         assert (many._calls, many._now) == (one._calls, one._now)
         assert _duel_state(many.duel) == _duel_state(one.duel)
-        assert sorted(many._live) == sorted(one._live)
+        assert sorted(many._live.items()) == sorted(one._live.items())
         assert (keyed._calls, keyed._now) == (one._calls, one._now)
         assert _duel_state(keyed.duel) == _duel_state(one.duel)
-        assert sorted(keyed._live) == sorted(one._live)
+        assert sorted(keyed._live.items()) == sorted(one._live.items())

@@ -63,8 +63,9 @@ def ancestors(parent, b, n, out):
 
 
 @njit(cache=True)
-def survey(ids, ref, slots, copies, refs):
-    """Per tier t, copies[t, i]: block ids[i] has a copy in tier t; refs[i]: its ref count.
+def survey(ids, ref, slots, copies, refs, fastest):
+    """Per tier t, copies[t, i]: block ids[i] has a copy in tier t; refs[i]: its ref count;
+    fastest[i]: the first tier holding a copy of it (-1: none; `BlockTable.fastest_tier`).
     Returns (pinned: how many have ref > 0, on_dev: how many have a device copy, pinning:
     how many are unpinned with a device copy)."""
     n = len(ids)
@@ -77,8 +78,13 @@ def survey(ids, ref, slots, copies, refs):
         refs[i] = r
         if r:
             pinned += 1
+        first = -1
         for t in range(len(slots)):
-            copies[t, i] = slots[t][b] != NO_SLOT
+            has = slots[t][b] != NO_SLOT
+            copies[t, i] = has
+            if has and first < 0:
+                first = t
+        fastest[i] = first
         if copies[0, i]:
             on_dev += 1
             if r == 0:
@@ -177,6 +183,41 @@ def releasable(zero, z, published, flight, out):
 
 
 @njit(cache=True)
+def landed(ids, dst, published, flight, ref, slots, kids, cand, refresh):
+    """A promotion of the blocks `ids` into device slots `dst` landed, the commit's common
+    case: each is published, in flight, and holds device slot `dst[i]` still. Then in flight
+    -= 1 for each, and refresh[:m] = those whose candidacy (as `BlockTree._refresh` derives
+    it) differs from `cand` now, in order; returns m. Returns -1, having written nothing,
+    if any block is not that case: the caller takes the general path.
+
+    NOTE: each id once (a promotion plans each block once)."""
+    n = len(ids)
+    dev = slots[0]
+    for i in range(n):
+        b = ids[i]
+        if published[b] == 0 or dev[b] != dst[i] or flight[b] < 1:
+            return -1
+    m = 0
+    for i in range(n):
+        b = ids[i]
+        f = flight[b] - 1
+        flight[b] = f
+        want = 0
+        if f == 0:
+            unpinned = ref[b] == 0
+            faster = False
+            for t in range(len(slots)):
+                has = slots[t][b] != NO_SLOT
+                if has and kids[t][b] == 0 and (unpinned or faster):
+                    want |= 1 << t
+                faster = faster or has
+        if want != cand[b]:
+            refresh[m] = b
+            m += 1
+    return m
+
+
+@njit(cache=True)
 def leaving(v, t, limit, parent, prev_sib, next_sib, kids, published, flight, ref, cand, slots,
             out):
     """The ancestors of leaf v (being dropped from tier t, its only copy) that would each, once
@@ -257,7 +298,7 @@ def warm_up(num_tiers: int) -> None:
     ancestors(t.view("parent"), 0, 1, np.zeros(1, np.intp))
     copies = np.zeros((num_tiers, 2), np.bool_)
     refs = np.zeros(2, np.int32)
-    survey(ids, t.view("ref_count"), slots, copies, refs)
+    survey(ids, t.view("ref_count"), slots, copies, refs, np.zeros(2, np.intp))
     counts = np.zeros(num_tiers, np.int64)
     out = np.zeros(2, np.intp)
     pin(ids, refs, t.view("ref_count"), t.view("candidate"), copies, counts, out)
@@ -267,6 +308,8 @@ def warm_up(num_tiers: int) -> None:
         unpin(ids, rev, t.view("ref_count"), slots, kids, counts, out, out.copy())
     stamp(ids, t.view("published"), t.view("last_access"), 1)
     releasable(out, 0, t.view("published"), t.view("in_flight"), out.copy())
+    landed(ids[:0], out[:0], t.view("published"), t.view("in_flight"), t.view("ref_count"),
+           slots, kids, t.view("candidate"), out.copy())
     cand = t.view("candidate")
     leaving(0, 0, 4, t.view("parent"), t.view("prev_sibling"), t.view("next_sibling"),
             kids[0], t.view("published"), t.view("in_flight"), t.view("ref_count"), cand,

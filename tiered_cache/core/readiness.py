@@ -48,6 +48,15 @@ class LayerReadiness:
         self._ready = layer + 1
         self._landed.notify_all()
 
+    def layers_done(self, layers: range | tuple[int, ...], event: object | None = None) -> None:
+        """`layer_done` of each of `layers` (consecutive, in order, one copy's), waking the
+        waiters once."""
+        events = self._events
+        for layer in layers:
+            events[layer] = event
+        self._ready = layers[-1] + 1
+        self._landed.notify_all()
+
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._landed.notify_all()

@@ -8,6 +8,8 @@ and promotions into the device tier (`_plan_promotion` / `commit_promotion`). Ev
 
 from __future__ import annotations
 
+import numpy as np
+
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
 from tiered_cache.core.readiness import LayerReadiness
@@ -15,6 +17,10 @@ from tiered_cache.core.state import BlockState
 from tiered_cache.core.tier import DEVICE
 from tiered_cache.core.transfer import Transfer
 from tiered_cache.errors import TransferError
+from tiered_cache.jit import LazyModule
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 
 class BlockTree(BlockState):
@@ -47,22 +53,24 @@ class BlockTree(BlockState):
             t.prev_sibling[nxt] = prev
         t.next_sibling[c] = t.prev_sibling[c] = NO_BLOCK
 
-    def _plan_promotion(self, blocks: list[int], slots: list[int],
+    def _plan_promotion(self, blocks: list[int], slots: list[int], sources: list[int],
                         readiness: LayerReadiness) -> list[Transfer]:
         """Device slots for blocks only in slower tiers; the data follows (commit_promotion).
+        `sources`: the fastest tier holding each block (`BlockTable.fastest_tier`, as the
+        open's survey found it).
 
         NOTE: a block whose fastest copy cannot be read in place (a disk record) is staged
         through a host slot: the record is read and verified whole into it, then copied to the
         device layer by layer like any host block. Its readers cannot read it zero-copy until
         then (`readiness.zero_copy` is False: they wait for their layer)."""
-        plan = []
-        fastest = self.blocks.fastest_tier
         tiers = self.tiers
+        persistent = [t.persistent for t in tiers]
         # Into a host-memory tier 0 (the node daemon's shared pool) a record is read directly.
         direct = tiers[DEVICE].stages_records
-        staged = 0 if direct else sum(1 for b in blocks if tiers[fastest(b)].persistent)
+        on_disk = any(persistent[t] for t in set(sources))
+        staged = sum(persistent[t] for t in sources) if on_disk and not direct else 0
         stage: list[int] = []
-        if direct and any(tiers[fastest(b)].persistent for b in blocks):
+        if on_disk:
             readiness.zero_copy = False
         if staged:
             # Everything that can fail comes first: a refused open leaves nothing half done.
@@ -70,16 +78,16 @@ class BlockTree(BlockState):
                 raise TransferError("a block on a disk tier needs a host tier to be promoted "
                                     "through")
             stage = self.space.reserve(1, staged)[::-1]
-            readiness.zero_copy = False
         pending, flight, all_slots = self.pending, self._flight, self._slots
-        for b, s in zip(blocks, slots):
-            src = fastest(b)
+        plan: list[Transfer] = []
+        append = plan.append
+        for b, s, src in zip(blocks, slots, sources):
             src_slot = all_slots[src][b]
-            if tiers[src].persistent and not direct:
+            if staged and persistent[src]:
                 h = stage.pop()
-                plan.append(Transfer(b, src, src_slot, 1, h))
+                append(Transfer(b, src, src_slot, 1, h))
                 src, src_slot = 1, h
-            plan.append(Transfer(b, src, src_slot, DEVICE, s))
+            append(Transfer(b, src, src_slot, DEVICE, s))
             pending[b] = readiness
             flight[b] += 1
         self.copies.set_slots(blocks, DEVICE, slots)
@@ -94,6 +102,9 @@ class BlockTree(BlockState):
         with atomic(), self.lock:
             if self.broken is not None:
                 return          # torn (core/atomic.py): nothing is committed any more
+            if ok and not failed and self._landed(plan):
+                self.space.copy_ended()
+                return
             n_slot = len(self.tiers)
             copies, space, keyed = self.copies, self.space, self.keyed.tiers
             for p in plan:
@@ -134,6 +145,33 @@ class BlockTree(BlockState):
                     self._refresh(b)
                     copies.drop_if_uncached(b)
             space.copy_ended()          # requests waiting for room look again
+
+    def _landed(self, plan: list[Transfer]) -> bool:
+        """`commit_promotion` of a promotion that landed, in the common case (every block
+        copied straight into the device slot it still holds, none staged, none unpublished
+        since): the general pass's effects, candidacy derived in one compiled call and only
+        the blocks whose candidacy changed re-derived here. False, with nothing done, for any
+        other case."""
+        if any(p.dst_tier for p in plan):       # staged through a host slot (DEVICE is 0)
+            return False
+        ids = np.fromiter([p.block for p in plan], np.intp, len(plan))
+        dst = np.fromiter([p.dst_slot for p in plan], np.intp, len(plan))
+        t = self.blocks
+        refresh = np.empty(len(plan), dtype=np.intp)
+        m = chains.landed(ids, dst, t.view("published"), t.view("in_flight"),
+                          t.view("ref_count"), t.tier_views("slots"),
+                          t.tier_views("resident_children"), t.view("candidate"), refresh)
+        if m < 0:
+            return False
+        pop = self.pending.pop
+        for p in plan:
+            pop(p.block, None)
+        c = self.counters
+        c.promotions += len(plan)
+        c.promotion_bytes += len(plan) * self.block_bytes
+        for b in refresh[:m].tolist():
+            self._refresh(b)
+        return True
 
     def _pin(self, b: int) -> None:
         r = self._ref[b]

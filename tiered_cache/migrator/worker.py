@@ -274,12 +274,10 @@ class Migrator:
                     break
                 event = self._event(stream)
                 for job in jobs:
-                    for layer in layers:
-                        job.readiness.layer_done(layer, event)
+                    job.readiness.layers_done(layers, event)
             if error is None and not to_device:
                 for job in jobs:            # nothing layered: every layer landed with stage 1
-                    for layer in range(num_layers):
-                        job.readiness.layer_done(layer, None)
+                    job.readiness.layers_done(range(num_layers))
             self._sync(stream)
             if error is None and to_device:
                 self._account(to_device[0].src_tier, 0, len(to_device), time.perf_counter() - t0)
@@ -552,8 +550,7 @@ def promote(index: BlockIndex, executor, migrator: Migrator | None, plan: list[T
         readiness.fail(exc)
         raise
     index.commit_promotion(plan, True)
-    for layer in range(index.num_layers):
-        readiness.layer_done(layer)
+    readiness.layers_done(range(index.num_layers))
 
 
 def copy_down(index: BlockIndex, executor, migrator: Migrator | None,

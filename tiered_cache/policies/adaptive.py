@@ -498,37 +498,61 @@ class AdaptivePolicy(PriorityPolicy):
 
     def access_many(self, blocks, keys: bytes | None = None) -> None:
         """`access` of each block of one reused chain, root first (an int array or list),
-        the duel's part in one compiled call (`hit_chain`). `keys`: the chain's keys joined,
-        if the caller has them (CachePolicy.access_many).
+        the duel's part in one compiled call (`hit_chain`) per run of blocks that are no
+        candidates. `keys`: the chain's keys joined, if the caller has them
+        (CachePolicy.access_many).
 
         Exactly `access` block by block: `_calls` is what it would be at the block whose hit
-        moves the duel's choice where `_follow` acts on it, and a chain with a current
-        candidate in it, or not one contiguous run, goes block by block (a re-key must see
-        the expert of its moment)."""
+        moves the duel's choice where `_follow` acts on it; a current candidate of the chain
+        goes through `access` (its re-key must see the expert of its moment), and a chain
+        that is not one contiguous run goes block by block."""
         ids = blocks.tolist() if isinstance(blocks, np.ndarray) else list(blocks)
         n = len(ids)
-        live = self._live
-        t = self.blocks
-        depth = t.depth
-        if n < 2 or (live and not live.keys().isdisjoint(ids)) or \
-                depth[ids[-1]] - depth[ids[0]] != n - 1:
+        depth = self.blocks.depth
+        if n < 2 or depth[ids[-1]] - depth[ids[0]] != n - 1:
             for b in ids:
                 self.access(b)
             return
-        if keys is not None and len(keys) == 16 * n:
-            kb = keys
+        live = self._live
+        if not live or live.keys().isdisjoint(ids):
+            self._hit_run(blocks, ids, 0, n, keys)
+            return
+        # NOTE: a chain with candidates in it (a slower tier's leaf: its last block, as a
+        # rule) goes in the runs between them; hearing of a hit never changes who is one.
+        start = 0
+        for i, b in enumerate(ids):
+            if b in live:
+                self._hit_run(blocks, ids, start, i, keys)
+                self.access(b)
+                start = i + 1
+        self._hit_run(blocks, ids, start, n, keys)
+
+    def _hit_run(self, blocks, ids: list[int], lo: int, hi: int, keys: bytes | None) -> None:
+        """`access` of ids[lo:hi], a contiguous run of blocks that are no candidates: the
+        duel's part in one compiled call. `blocks`, `keys`: as `access_many` got them."""
+        n = hi - lo
+        if n < 2:
+            for b in ids[lo:hi]:
+                self.access(b)
+            return
+        t = self.blocks
+        if keys is not None and len(keys) == 16 * len(ids):
+            kb = keys if n == len(ids) else keys[16 * lo:16 * hi]
         else:
             try:
-                # (the chain's keys in one buffer, as the duel takes them)
-                kb = b"".join(map(t.key.__getitem__, ids))
+                # (the run's keys in one buffer, as the duel takes them)
+                kb = b"".join(map(t.key.__getitem__, ids[lo:hi]))
             except TypeError:           # an unpublished block (no key): nothing was done
-                for b in ids:
+                for b in ids[lo:hi]:
                     self.access(b)
                 return
-        arr = blocks if isinstance(blocks, np.ndarray) else np.asarray(ids, np.int64)
+        if isinstance(blocks, np.ndarray):
+            arr = blocks if n == len(ids) else blocks[lo:hi]
+        else:
+            arr = np.asarray(ids[lo:hi], np.int64)
         la, dep = t.view("last_access"), t.view("depth")
         duel, mask = self.duel, self.duel.mask
-        parent = self._sampled_above(ids[0])
+        parent = self._sampled_above(ids[lo])
         calls, start = self._calls, 0
         while True:
             pos, latest = duel.hit_chain(kb, arr, la, dep, start, parent, mask, self._choice,
