@@ -270,6 +270,9 @@ def bench_end_to_end(args, device: torch.device, cuda: bool, base: Baseline,
             cache.wait(seq, L - 1)
         clock.sync()
         promote_s = time.perf_counter() - t0
+        # NOTE: a reader is woken when its last layer lands, just before the copy's commit
+        # counts the promotion: wait for the count (untimed) before reading it.
+        wait_for(lambda: counters.promotions - before >= expect, args.timeout)
         st = cache.stats()
         promoted = st["promotions"] - before
         lock_promote = st["lock_hold"]

@@ -185,3 +185,11 @@ def test_adopt_quick(tmp_path):
     assert "adopt, us per block" in stdout
     assert data["benchmark"] == "adopt" and data["quick"] is True
     assert data["rows"] and all(_positive(r["this_us_per_block"]) for r in data["rows"])
+
+
+@pytest.mark.slow
+def test_promotion_quick(tmp_path):
+    data, stdout = run_bench("promotion", tmp_path)
+    assert "promotion control plane, us per promoted block" in stdout
+    assert data["benchmark"] == "promotion" and data["quick"] is True
+    assert data["rows"] and all(_positive(r["this_us_per_block"]) for r in data["rows"])
