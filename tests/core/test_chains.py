@@ -113,12 +113,15 @@ def test_survey_pin_touch(seed, tiers):
     before = snapshot(t)
     copies = np.empty((tiers, len(ids)), dtype=bool)
     refs = np.empty(len(ids), dtype=np.int32)
-    fastest = np.full(len(ids), 7, dtype=np.intp)
-    got = chains.survey(ids, t.view("ref_count"), t.tier_views("slots"), copies, refs, fastest)
+    away = np.full((3, len(ids)), 7, dtype=np.intp)
+    got = chains.survey(ids, t.view("ref_count"), t.tier_views("slots"), copies, refs, away)
     bl = ids.tolist()
     want_copies = [[t.slots[i][b] != NO_SLOT for b in bl] for i in range(tiers)]
     assert copies.tolist() == want_copies
-    assert fastest.tolist() == [t.fastest_tier(b) for b in bl]
+    gone = [b for b in bl if t.slots[0][b] == NO_SLOT]
+    fastest = [t.fastest_tier(b) for b in gone]
+    assert away[:, :len(gone)].tolist() == [
+        gone, fastest, [t.slots[f][b] if f >= 0 else NO_SLOT for b, f in zip(gone, fastest)]]
     assert refs.tolist() == [t.ref_count[b] for b in bl]
     assert got == (sum(1 for b in bl if t.ref_count[b]),
                    sum(want_copies[0]),

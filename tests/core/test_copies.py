@@ -51,17 +51,34 @@ def _state(cache, victims: bool = True) -> dict:
 
 @pytest.mark.no_invariants          # the policies' candidates are taken out at the end
 @pytest.mark.parametrize("policy", ["lru", "adaptive"])
-def test_set_slots_is_set_slot_for_each_block(policy):
+@pytest.mark.parametrize("chain", [None, "A", "B"])
+def test_set_slots_is_set_slot_for_each_block(policy, chain, monkeypatch):
+    """Block by block, in bulk, and in bulk with the ids (one chain: the compiled pass,
+    `chains.gain_chain`; A's three blocks, or B's last, whose parent is a device candidate
+    the promotion takes back; A and B together: it refuses them, the bulk pass runs)."""
+    from tiered_cache.core import copies as copies_mod
+
+    real, compiled = copies_mod.chains.gain_chain, []
+
+    def spy(*args):
+        got = real(*args)
+        compiled.append(got[0] >= 0)
+        return got
+    monkeypatch.setattr(copies_mod.chains, "gain_chain", spy)
     states = []
-    for bulk in (False, True):
+    for mode in ("each", "bulk", "ids"):
         cache, blocks = _host_chains(policy)
         assert len(blocks) == 4, blocks             # A, and B's last block
+        if chain:
+            blocks = blocks[:3] if chain == "A" else blocks[3:]
         idx = cache.index
         with idx.lock:
             slots = idx.space.allocate(DEVICE, len(blocks))
             for b in blocks:                        # what _plan_promotion does first
                 idx._flight[b] += 1
-            if bulk:
+            if mode == "ids":
+                idx.copies.set_slots(blocks, DEVICE, slots, np.asarray(blocks, np.intp))
+            elif mode == "bulk":
                 idx.copies.set_slots(blocks, DEVICE, slots)
             else:
                 for b, s in zip(blocks, slots):
@@ -73,7 +90,8 @@ def test_set_slots_is_set_slot_for_each_block(policy):
         check_invariants(idx)
         states.append((mid, _state(cache)))
         cache.shutdown()
-    assert states[0] == states[1]
+    assert states[0] == states[1] == states[2]
+    assert compiled == [chain is not None]
 
 
 def test_a_promotion_after_an_eviction_to_host_reads_back_cached():

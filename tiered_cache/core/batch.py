@@ -33,6 +33,8 @@ class Survey:
     unpinned: np.ndarray | None     # ref_count == 0 before the open (None: all of them)
     promote: list[int]              # blocks with no device copy
     sources: list[int]              # the fastest tier holding each of `promote`
+    source_slots: list[int]         # and its slot there
+    promote_ids: np.ndarray         # `promote` as an intp array
     pinning: int                    # unpinned blocks with a device copy (room they take)
     refs: np.ndarray                # ref_count before the open
 
@@ -50,25 +52,24 @@ class BatchOps(BlockTree):
     def _survey(self, blocks: list[int], ids: np.ndarray | None = None) -> Survey:
         """`ids`: `blocks` as an intp array, if the caller has one."""
         if not blocks:              # a miss: nothing to look at (no numpy call at all)
-            return Survey(_NO_IDS, [_NO_FLAGS] * len(self.tiers), _NO_FLAGS, [], [], 0,
-                          _NO_IDS)
+            return Survey(_NO_IDS, [_NO_FLAGS] * len(self.tiers), _NO_FLAGS, [], [], [],
+                          _NO_IDS, 0, _NO_IDS)
         t = self.blocks
         if ids is None:
             ids = np.asarray(blocks, dtype=np.intp)
         n = len(ids)
         copies = np.empty((len(self.tiers), n), dtype=bool)
         refs = np.empty(n, dtype=np.int32)
-        fastest = np.empty(n, dtype=np.intp)
+        away = np.empty((3, n), dtype=np.intp)
         pinned, on_dev, pinning = chains.survey(ids, t.view("ref_count"),
-                                                t.tier_views("slots"), copies, refs, fastest)
+                                                t.tier_views("slots"), copies, refs, away)
         # NOTE: no mask for a chain no other sequence pins (nearly always).
         unpinned = None if pinned == 0 else refs == 0
-        promote: list[int] = []
-        sources: list[int] = []
-        if on_dev != n:
-            away = ~copies[0]
-            promote, sources = ids[away].tolist(), fastest[away].tolist()
-        return Survey(ids, copies, unpinned, promote, sources, pinning, refs)
+        if on_dev == n:
+            return Survey(ids, copies, unpinned, [], [], [], _NO_IDS, pinning, refs)
+        move = away[:, :n - on_dev]
+        promote, src, at = move.tolist()
+        return Survey(ids, copies, unpinned, promote, src, at, move[0], pinning, refs)
 
     def _busy_pinning(self, s: Survey) -> int:
         """How many of the blocks `_pin_all` would newly pin in the device tier are busy there

@@ -63,15 +63,18 @@ def ancestors(parent, b, n, out):
 
 
 @njit(cache=True)
-def survey(ids, ref, slots, copies, refs, fastest):
-    """Per tier t, copies[t, i]: block ids[i] has a copy in tier t; refs[i]: its ref count;
-    fastest[i]: the first tier holding a copy of it (-1: none; `BlockTable.fastest_tier`).
-    Returns (pinned: how many have ref > 0, on_dev: how many have a device copy, pinning:
-    how many are unpinned with a device copy)."""
+def survey(ids, ref, slots, copies, refs, away):
+    """Per tier t, copies[t, i]: block ids[i] has a copy in tier t; refs[i]: its ref count.
+    The blocks with no device copy, in chain order, into the columns of `away`: away[0, j]
+    the block, away[1, j] the first tier holding a copy of it (-1: none;
+    `BlockTable.fastest_tier`), away[2, j] its slot there. Returns (pinned: how many have ref
+    > 0, on_dev: how many have a device copy (the rest are in `away`), pinning: how many are
+    unpinned with a device copy)."""
     n = len(ids)
     pinned = 0
     on_dev = 0
     pinning = 0
+    j = 0
     for i in range(n):
         b = ids[i]
         r = ref[b]
@@ -79,16 +82,23 @@ def survey(ids, ref, slots, copies, refs, fastest):
         if r:
             pinned += 1
         first = -1
+        where = NO_SLOT
         for t in range(len(slots)):
-            has = slots[t][b] != NO_SLOT
+            at = slots[t][b]
+            has = at != NO_SLOT
             copies[t, i] = has
             if has and first < 0:
                 first = t
-        fastest[i] = first
+                where = at
         if copies[0, i]:
             on_dev += 1
             if r == 0:
                 pinning += 1
+        else:
+            away[0, j] = b
+            away[1, j] = first
+            away[2, j] = where
+            j += 1
     return pinned, on_dev, pinning
 
 
@@ -180,6 +190,42 @@ def releasable(zero, z, published, flight, out):
             out[m] = b
             m += 1
     return m
+
+
+@njit(cache=True)
+def gain_chain(ids, new, mine, owner, busy, ref, parent, published, kids, flight, cand, out):
+    """`Copies.set_slots` of a chain (each block published, the child of the one before):
+    mine[ids[i]] = new[i], owner[new[i]] = ids[i], each block's parent gains a resident
+    child (the first one's too, if it has one); out[:m] = the blocks to re-derive, in the
+    order `set_slot` one block at a time first touches them (the chain's parent first),
+    less those in flight that are candidates nowhere (they stay none). Returns (m, how many
+    are pinned), or (-1, 0), having written nothing, if any block is busy (a copy under way
+    reads it) or the blocks are no such chain: the caller takes the general path."""
+    n = len(ids)
+    for i in range(n):
+        b = ids[i]
+        if busy[b] != 0 or published[b] == 0 or (i > 0 and parent[b] != ids[i - 1]):
+            return -1, 0
+    m = 0
+    pinned = 0
+    p = parent[ids[0]] if n else NO_BLOCK
+    if p != NO_BLOCK:
+        kids[p] += 1
+        if flight[p] == 0 or cand[p] != 0:
+            out[m] = p
+            m += 1
+    for i in range(n):
+        b = ids[i]
+        mine[b] = new[i]
+        owner[new[i]] = b
+        if ref[b]:
+            pinned += 1
+        if i > 0:
+            kids[ids[i - 1]] += 1
+        if flight[b] == 0 or cand[b] != 0:
+            out[m] = b
+            m += 1
+    return m, pinned
 
 
 @njit(cache=True)
@@ -298,7 +344,7 @@ def warm_up(num_tiers: int) -> None:
     ancestors(t.view("parent"), 0, 1, np.zeros(1, np.intp))
     copies = np.zeros((num_tiers, 2), np.bool_)
     refs = np.zeros(2, np.int32)
-    survey(ids, t.view("ref_count"), slots, copies, refs, np.zeros(2, np.intp))
+    survey(ids, t.view("ref_count"), slots, copies, refs, np.zeros((3, 2), np.intp))
     counts = np.zeros(num_tiers, np.int64)
     out = np.zeros(2, np.intp)
     pin(ids, refs, t.view("ref_count"), t.view("candidate"), copies, counts, out)
@@ -308,6 +354,9 @@ def warm_up(num_tiers: int) -> None:
         unpin(ids, rev, t.view("ref_count"), slots, kids, counts, out, out.copy())
     stamp(ids, t.view("published"), t.view("last_access"), 1)
     releasable(out, 0, t.view("published"), t.view("in_flight"), out.copy())
+    gain_chain(ids[:0], out[:0], slots[0], np.zeros(4, np.int32), t.view("busy_tiers"),
+               t.view("ref_count"), t.view("parent"), t.view("published"), kids[0],
+               t.view("in_flight"), t.view("candidate"), out.copy())
     landed(ids[:0], out[:0], t.view("published"), t.view("in_flight"), t.view("ref_count"),
            slots, kids, t.view("candidate"), out.copy())
     cand = t.view("candidate")

@@ -13,10 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from tiered_cache.core.blocks import NO_BLOCK, NO_SLOT
+from tiered_cache.jit import LazyModule
 
 if TYPE_CHECKING:
     from tiered_cache.core.index import BlockIndex
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 
 @dataclass(slots=True, eq=False, repr=False)
@@ -39,16 +45,33 @@ class Copies:
             ix._refresh(p)
         ix._refresh(b)
 
-    def set_slots(self, blocks: list[int], t: int, slots: list[int]) -> None:
+    def set_slots(self, blocks: list[int], t: int, slots: list[int],
+                  ids: np.ndarray | None = None) -> None:
         """Each of `blocks` gains a copy in the matching slot of tier t: `set_slot` for all
         of them, with each block and each parent re-derived once, after every copy is set
-        (the promotion hot path: a chain's blocks are each other's parents).
+        (the promotion hot path: a chain's blocks are each other's parents). `ids`: `blocks`
+        as an intp array, if the caller has one: a chain of published blocks none of which
+        is busy is then done in one compiled call (`chains.gain_chain`).
 
         NOTE: candidacy depends only on the state it is derived from, so deriving once at the
         end gives what a derivation after every step ends with. The order policies hear of
         the changes in is each block's first appearance as (parent, block), the order
         `set_slot` one block at a time would first touch them in."""
         ix = self.ix
+        if ids is not None and len(ids):
+            tbl, tier = ix.blocks, ix.tiers[t]
+            out = np.empty(len(ids) + 1, dtype=np.intp)
+            m, pinned = chains.gain_chain(
+                ids, np.asarray(slots, dtype=np.intp), tbl.view("slots", t),
+                np.frombuffer(tier.owner, dtype=np.int32), tbl.view("busy_tiers"),
+                tbl.view("ref_count"), tbl.view("parent"), tbl.view("published"),
+                tbl.view("resident_children", t), tbl.view("in_flight"),
+                tbl.view("candidate"), out)
+            if m >= 0:
+                tier.pinned_blocks += pinned
+                for b in out[:m].tolist():
+                    ix._refresh(b)
+                return
         mine, tier = ix._slots[t], ix.tiers[t]
         owner, kids = tier.owner, ix._kids[t]
         busy, ref, parent, key = ix.blocks.busy_tiers, ix._ref, ix._parent, ix._key

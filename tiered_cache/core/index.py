@@ -448,8 +448,8 @@ class BlockIndex(BatchOps, BlockTree, BlockState):
         try:
             if promote_ids:
                 readiness = LayerReadiness(self.num_layers, len(promote_ids))
-                plan = self._plan_promotion(promote_ids, slots[:len(promote_ids)],
-                                            survey.sources, readiness)
+                plan = self._plan_promotion(survey.promote_ids, slots[:len(promote_ids)],
+                                            survey.sources, survey.source_slots, readiness)
                 if promote is None:
                     self.commit_promotion(plan, True)   # metadata only: nothing to copy
                 else:

@@ -8,6 +8,8 @@ and promotions into the device tier (`_plan_promotion` / `commit_promotion`). Ev
 
 from __future__ import annotations
 
+from itertools import repeat
+
 import numpy as np
 
 from tiered_cache.core.atomic import atomic
@@ -53,11 +55,12 @@ class BlockTree(BlockState):
             t.prev_sibling[nxt] = prev
         t.next_sibling[c] = t.prev_sibling[c] = NO_BLOCK
 
-    def _plan_promotion(self, blocks: list[int], slots: list[int], sources: list[int],
-                        readiness: LayerReadiness) -> list[Transfer]:
-        """Device slots for blocks only in slower tiers; the data follows (commit_promotion).
-        `sources`: the fastest tier holding each block (`BlockTable.fastest_tier`, as the
-        open's survey found it).
+    def _plan_promotion(self, ids: np.ndarray, slots: list[int], sources: list[int],
+                        source_slots: list[int], readiness: LayerReadiness) -> list[Transfer]:
+        """Device slots for blocks only in slower tiers (`ids`: a chain's, root first, each
+        once); the data follows (commit_promotion). `sources`, `source_slots`: the fastest
+        tier holding each block and its slot there (`BlockTable.fastest_tier`, as the open's
+        survey found them).
 
         NOTE: a block whose fastest copy cannot be read in place (a disk record) is staged
         through a host slot: the record is read and verified whole into it, then copied to the
@@ -69,28 +72,27 @@ class BlockTree(BlockState):
         direct = tiers[DEVICE].stages_records
         on_disk = any(persistent[t] for t in set(sources))
         staged = sum(persistent[t] for t in sources) if on_disk and not direct else 0
-        stage: list[int] = []
         if on_disk:
             readiness.zero_copy = False
+        blocks = ids.tolist()
         if staged:
             # Everything that can fail comes first: a refused open leaves nothing half done.
             if len(tiers) < 2 or not tiers[1].stages_records:
                 raise TransferError("a block on a disk tier needs a host tier to be promoted "
                                     "through")
             stage = self.space.reserve(1, staged)[::-1]
-        pending, flight, all_slots = self.pending, self._flight, self._slots
-        plan: list[Transfer] = []
-        append = plan.append
-        for b, s, src in zip(blocks, slots, sources):
-            src_slot = all_slots[src][b]
-            if staged and persistent[src]:
-                h = stage.pop()
-                append(Transfer(b, src, src_slot, 1, h))
-                src, src_slot = 1, h
-            append(Transfer(b, src, src_slot, DEVICE, s))
-            pending[b] = readiness
-            flight[b] += 1
-        self.copies.set_slots(blocks, DEVICE, slots)
+            plan: list[Transfer] = []
+            for b, s, src, src_slot in zip(blocks, slots, sources, source_slots):
+                if persistent[src]:
+                    h = stage.pop()
+                    plan.append(Transfer(b, src, src_slot, 1, h))
+                    src, src_slot = 1, h
+                plan.append(Transfer(b, src, src_slot, DEVICE, s))
+        else:
+            plan = list(map(Transfer, blocks, sources, source_slots, repeat(DEVICE), slots))
+        self.pending.update(dict.fromkeys(blocks, readiness))
+        self.blocks.view("in_flight")[ids] += 1         # (each id once)
+        self.copies.set_slots(blocks, DEVICE, slots, ids)
         return plan
 
     def commit_promotion(self, plan: list[Transfer], ok: bool,
