@@ -204,6 +204,37 @@ def test_failed_promotion_raises_and_host_copy_stays_valid():
     cache.shutdown()
 
 
+def test_a_fault_before_the_copy_still_fails_the_waiters_and_commits(monkeypatch):
+    """An exception while the worker prepares a promotion batch (here: grouping its plan) is
+    logged and counted, its readers hear of it at once (no wait for the timeout), and the
+    blocks leave flight: the next open promotes them again."""
+    from tiered_cache.migrator import worker
+
+    cache = make(8, 40, migrator={"max_retries": 0, "wait_timeout_s": 30.0})
+    prompt = list(range(2 * BS))
+    push_to_host(cache, prompt, others=4, base=3000)
+
+    def broken(transfers):
+        raise RuntimeError("injected grouping failure")
+    monkeypatch.setattr(worker, "GroupedPlan", broken)
+    errors = sum(cache.health.errors.values())
+    seq = cache.open(prompt)
+    assert seq.cached_tokens_by_tier["host"] > 0
+    t0 = time.perf_counter()
+    with pytest.raises(TransferError, match="injected grouping failure"):
+        cache.wait(seq, 0)
+    assert time.perf_counter() - t0 < 10                       # told, not timed out
+    cache.close(seq)
+    monkeypatch.undo()
+    settle(cache)
+    assert sum(cache.health.errors.values()) > errors
+    check_invariants(cache)
+    seq = cache.open(prompt)                                   # promoted again
+    check_data(cache, seq, prompt)
+    cache.close(seq)
+    cache.shutdown()
+
+
 def test_write_through_copies_in_background():
     cache = make(16, 40, write_policy="write_through")
     prompt = list(range(3 * BS))

@@ -248,18 +248,22 @@ class Migrator:
         # NOTE: a copy out of a record source (disk, a store, the node daemon) moves whole
         # verified blocks: it runs first, once, and only memory-to-memory copies go layer by
         # layer.
-        whole = self._whole_sources
-        staged = [t for t in plan if t.dst_tier != 0 or t.src_tier in whole]
-        to_device = GroupedPlan(t for t in plan if t.dst_tier == 0 and t.src_tier not in whole)
-        num_layers = idx.num_layers
-        # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
-        # signalled as soon as it lands: small promotions would otherwise pay the per-call
-        # overhead once per layer, large ones still land layer by layer.
-        per_layer = max(1, len(to_device) * idx.block_bytes // num_layers)
-        group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
         error: BaseException | None = None
-        t0 = time.perf_counter()
+        # NOTE: from here on anything that raises still fails the waiters and commits every
+        # plan (the finally below): a job lost here would leave its blocks in flight for good
+        # and its readers waiting out their timeout.
         try:
+            whole = self._whole_sources
+            staged = [t for t in plan if t.dst_tier != 0 or t.src_tier in whole]
+            to_device = GroupedPlan(t for t in plan
+                                    if t.dst_tier == 0 and t.src_tier not in whole)
+            num_layers = idx.num_layers
+            # NOTE: layers are copied in groups of about `promotion_chunk_bytes`, each group
+            # signalled as soon as it lands: small promotions would otherwise pay the per-call
+            # overhead once per layer, large ones still land layer by layer.
+            per_layer = max(1, len(to_device) * idx.block_bytes // num_layers)
+            group = max(1, -(-self.config.promotion_chunk_bytes // per_layer))
+            t0 = time.perf_counter()
             if staged:
                 error = self._attempt("promotion", partial(self.executor.run, staged), stream)
                 if error is None:
