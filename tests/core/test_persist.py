@@ -162,6 +162,15 @@ def chain(rng: random.Random, ix, root: bytes, other_root: bytes, known: list[Re
             m = rng.choice(known)
         out.append(m)
         parent, depth = m.key, m.depth
+    if fault == "split key":
+        # two keys of 15 and 17 bytes that join into the right 32, the links following them:
+        # every joined comparison passes, and neither is a key
+        j = min(at, n - 2)
+        k, k2 = out[j].key, out[j + 1].key
+        out[j] = out[j]._replace(key=k[:15])
+        out[j + 1] = out[j + 1]._replace(key=k[15:] + k2, parent=k[:15])
+        if j + 2 < n:
+            out[j + 2] = out[j + 2]._replace(parent=k[15:] + k2)
     return out
 
 
@@ -186,7 +195,8 @@ def test_bulk_chain_adopt_is_adopt_entry_by_entry(policy, seed, monkeypatch):
     other = caches[0].index.register_root("u", None)[0]
     root, rid = roots[0]
     known: list[RecordMeta] = []
-    faults = [None, None, "key", "root", "depth", "tokens", "short key", "duplicate"]
+    faults = [None, None, "key", "root", "depth", "tokens", "short key", "split key",
+              "duplicate"]
     rng.shuffle(faults)
     for fault in [None] + faults:
         entries = chain(rng, caches[0].index, root, other, known, fault)

@@ -229,6 +229,34 @@ def gain_chain(ids, new, mine, owner, busy, ref, parent, published, kids, flight
 
 
 @njit(cache=True)
+def adopt_chain(ids, parent, root, hits, clock, tokens, slots, parent_v, root_v, hits_v, la_v,
+                born_v, stored, published, first_child, next_sib, prev_sib, mine, owner, kids):
+    """The rows of a chain `adopt` takes in bulk (core/persist.py `_adopt_chain`): block ids[i]
+    the only child of ids[i - 1] (ids[0] of `parent`, NO_BLOCK at the root), of root `root`,
+    with use count hits[i] and token ids tokens[i], used and published at `clock`, its copy in
+    slot slots[i] of the tier whose slot and resident-children columns are `mine` and `kids`
+    (every block but the leaf has its child's copy there); `owner` is that tier's slot owners.
+    The keys, the prefix index and the links into `parent` are the caller's."""
+    n = len(ids)
+    for i in range(n):
+        b = ids[i]
+        parent_v[b] = ids[i - 1] if i else parent
+        root_v[b] = root
+        hits_v[b] = hits[i]
+        la_v[b] = clock
+        born_v[b] = clock
+        stored[b, :] = tokens[i, :]
+        published[b] = 1
+        first_child[b] = ids[i + 1] if i + 1 < n else NO_BLOCK
+        next_sib[b] = NO_BLOCK
+        prev_sib[b] = NO_BLOCK
+        mine[b] = slots[i]
+        owner[slots[i]] = b
+        if i + 1 < n:
+            kids[b] = 1
+
+
+@njit(cache=True)
 def landed(ids, dst, published, flight, ref, slots, kids, cand, refresh):
     """A promotion of the blocks `ids` into device slots `dst` landed, the commit's common
     case: each is published, in flight, and holds device slot `dst[i]` still. Then in flight
@@ -357,6 +385,11 @@ def warm_up(num_tiers: int) -> None:
     gain_chain(ids[:0], out[:0], slots[0], np.zeros(4, np.int32), t.view("busy_tiers"),
                t.view("ref_count"), t.view("parent"), t.view("published"), kids[0],
                t.view("in_flight"), t.view("candidate"), out.copy())
+    adopt_chain(ids[:0], -1, 0, np.zeros(0, np.int64), 1, t.tokens[:0], ids[:0],
+                t.view("parent"), t.view("root_id"), t.view("hits"), t.view("last_access"),
+                t.view("inserted_at"), t.tokens, t.view("published"), t.view("first_child"),
+                t.view("next_sibling"), t.view("prev_sibling"), slots[0], np.zeros(4, np.int32),
+                kids[0])
     landed(ids[:0], out[:0], t.view("published"), t.view("in_flight"), t.view("ref_count"),
            slots, kids, t.view("candidate"), out.copy())
     cand = t.view("candidate")

@@ -27,9 +27,13 @@ import numpy as np
 from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.core.transfer import RecordMeta
+from tiered_cache.jit import LazyModule
 
 if TYPE_CHECKING:
     from tiered_cache.core.index import BlockIndex
+
+chains = LazyModule("tiered_cache.core.chains")
+"""core/chains.py, imported at first use (tiered_cache/jit.py LazyModule: no numba at import)."""
 
 log = logging.getLogger("tiered_cache.persist")
 
@@ -187,24 +191,24 @@ class Persistence:
         anything differs (the general path then finds which entries to refuse).
 
         NOTE: the keys are checked in one compiled call (`hasher.keys`, from the chain's
-        parent key) and compared key by key (a joined comparison would let keys of wrong
-        lengths through); the new blocks' rows, links and copies are set by array, as the
-        general path sets them one by one: tests/core/test_persist.py compares the two."""
+        parent key) and compared joined, once every key is known to be 16 bytes (else keys of
+        wrong lengths could join into the right bytes); the new blocks' rows, links and copies
+        are set in one compiled pass (`chains.adopt_chain`), as the general path sets them one
+        by one: tests/core/test_persist.py compares the two."""
         n = len(entries)
         if n < CHAIN_MIN:
             return None
         ix = self.ix
         t = ix.blocks
         prefix = ix.prefix
-        metas = [m for _, m in entries]
-        keys = [m.key for m in metas]
-        toks = [m.tokens for m in metas]
+        # (the entries' columns, transposed in C: RecordMeta's fields in order)
+        at_slots, metas = zip(*entries)
+        keys, parents, roots, depths, toks, hits = zip(*metas)
         m0 = metas[0]
         d0, root, bs = m0.depth, ix.root_keys[root_id], ix.block_size
-        if ([m.parent for m in metas[1:]] != keys[:-1]
-                or [m.depth for m in metas] != list(range(d0, d0 + n))
-                or any(m.root != root for m in metas)
-                or any(len(x) != 4 * bs for x in toks)
+        if (parents[1:] != keys[:-1] or depths != tuple(range(d0, d0 + n))
+                or roots.count(root) != n or set(map(len, toks)) != {4 * bs}
+                or set(map(len, keys)) != {16}
                 or len(set(keys)) != n or not prefix.keys().isdisjoint(keys)):
             return None
         if d0 == 0:
@@ -219,37 +223,28 @@ class Persistence:
         tokens = np.frombuffer(bytearray(b"".join(toks)), dtype="<i4")    # (writable: the
         # compiled kernel is warmed up for writable arrays)
         got = ix.hasher.keys(m0.parent, tokens, 0, n)
-        if [got[i:i + 16] for i in range(0, 16 * n, 16)] != keys:
+        if got != b"".join(keys):                   # (every key is 16 bytes: checked above)
             return None
+        # (converted before anything changes: a use count past int64 raises here)
+        slots, uses = np.array(at_slots, dtype=np.intp), np.array(hits, dtype=np.int64)
         rows, at = t.new_run_ids(d0, n)
         ids = at if at is not None else np.asarray(rows, dtype=np.intp)
-        pv = t.view("parent")
-        pv[ids[1:]] = ids[:-1]
-        pv[ids[0]] = parent
-        t.view("root_id")[ids] = root_id
-        t.view("hits")[ids] = [m.hits for m in metas]
-        t.view("last_access")[ids] = ix.clock
-        t.view("inserted_at")[ids] = ix.clock
-        t.tokens[ids] = tokens.reshape(n, bs)
+        # rows, links (each block the only child of the one before) and copies in one pass
+        chains.adopt_chain(
+            ids, parent, root_id, uses, ix.clock, tokens.reshape(n, bs), slots,
+            t.view("parent"), t.view("root_id"), t.view("hits"), t.view("last_access"),
+            t.view("inserted_at"), t.tokens, t.view("published"), t.view("first_child"),
+            t.view("next_sibling"), t.view("prev_sibling"), t.view("slots", tier),
+            np.frombuffer(ix.tiers[tier].owner, dtype=np.int32),
+            t.view("resident_children", tier))
         key = t.key
         for b, k in zip(rows, keys):                # the tokens are in: publish
             key[b] = k
-        t.view("published")[ids] = 1
         prefix.update(zip(keys, rows))
-        # links: each block the only child of the one before, the first one a child of parent
-        t.view("first_child")[ids[:-1]] = ids[1:]
-        t.view("first_child")[ids[-1]] = NO_BLOCK
-        t.view("next_sibling")[ids] = NO_BLOCK
-        t.view("prev_sibling")[ids] = NO_BLOCK
         if parent != NO_BLOCK:
             ix._link(parent, rows[0])
-        # copies, as in `adopt`'s chain case: only the leaf becomes a candidate, the chain's
-        # parent may stop being one
-        state = ix.tiers[tier]
-        slots = np.fromiter((s for s, _ in entries), dtype=np.intp, count=n)
-        t.view("slots", tier)[ids] = slots
-        np.frombuffer(state.owner, dtype=np.int32)[slots] = ids
-        t.view("resident_children", tier)[ids[:-1]] = 1
+        # as in `adopt`'s chain case: only the leaf becomes a candidate, the chain's parent
+        # may stop being one
         ix._refresh(rows[-1])
         if parent != NO_BLOCK:
             ix._kids[tier][parent] += 1
