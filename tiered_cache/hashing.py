@@ -21,6 +21,7 @@ import numpy as np
 import xxhash
 
 from tiered_cache.errors import TokenError
+from tiered_cache.jit import LazyModule
 
 HashFn = Callable[[bytes], bytes]
 MAX_TOKEN_ID = 2**31 - 1
@@ -192,12 +193,14 @@ class BlockHasher:
         return keys
 
 
-def _xxh3():
-    """tiered_cache.xxh3 (numba), imported on first use: `import tiered_cache.hashing` stays
-    light."""
-    from tiered_cache import xxh3
+_xxh3_module = LazyModule("tiered_cache.xxh3")
 
-    return xxh3
+
+def _xxh3():
+    """tiered_cache.xxh3 (numba), imported on first use (tiered_cache/jit.py LazyModule; an
+    import statement per call cost the daemon's `adopt` ~0.5 us): `import
+    tiered_cache.hashing` stays light."""
+    return _xxh3_module
 
 
 def tenant_salt(tenant: bytes, salt: str | bytes | None) -> str | bytes | None:
