@@ -203,3 +203,14 @@ def test_a_handed_over_device_pool_takes_the_place_of_gpu():
     finally:
         stack.stop_workers()
         stack.close()
+
+
+def test_the_capacity_planner_lists_it_beneath_by_its_own_word():
+    """`tiered-cache plan` asks the kind where its blocks live (`TierKind.where`): the default
+    for a kind that says nothing, its section's name."""
+    from tiered_cache.tools import planner
+
+    cfg = CacheConfig.from_dict({"tiers": {"host": {"num_blocks": 16},
+                                           "memkv": {"name": "a", "write": "on_host"}}})
+    (memkv,) = planner.make_plan(cfg).beneath
+    assert (memkv.name, memkv.where, memkv.write) == ("memkv", "tiers.memkv", "on_host")

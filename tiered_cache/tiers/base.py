@@ -137,6 +137,11 @@ class TierKind:
         """Checks of the rest of the config in a role where this kind could be a tier, whether
         or not it is (`configured`): a setting that means nothing without it. ConfigError."""
 
+    def where(self, section: Any) -> tuple[str, str]:
+        """For the capacity planner (tools/planner.py): where this tier's blocks live, and
+        what bounds how many it keeps."""
+        return f"tiers.{self.name}", "its own section"
+
     # ---------------------------------------------------------------- building
     def spec(self, ctx: Context) -> TierSpec:
         """Its TierSpec: name, kind, slots, capability flags. A slot kind's index is

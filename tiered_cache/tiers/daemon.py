@@ -81,6 +81,10 @@ class DaemonKind(TierKind):
         migrator="needs the migrator (migrator.enabled: true): only its background threads "
                  "copy to and from the daemon")
 
+    def where(self, section: Any) -> tuple[str, str]:
+        return (f"the node daemon at {section.socket}",
+                "the daemon's config (tiers.host and tiers.disk per tenant)")
+
     def check(self, ctx: Context) -> None:
         dtype = ctx.config.model.dtype
         if dtype not in SHARED_DTYPES:

@@ -238,6 +238,10 @@ class RemoteKind(TierKind):
         migrator="needs the migrator (migrator.enabled: true): only its background threads "
                  "load and store")
 
+    def where(self, section: Any) -> tuple[str, str]:
+        return (f"the store at {redact_url(section.url)}",
+                "the server (its maxmemory and eviction policy)")
+
     def spec(self, ctx: Context) -> TierSpec:
         stage = ctx.stage_tier()
         write = ctx.section(self.name).write

@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 from tiered_cache import sizing
 from tiered_cache.config import CacheConfig, DaemonConfig
 from tiered_cache.errors import ConfigError, TierUnavailableError
-from tiered_cache.stores.base import redact_url
 from tiered_cache.tiers.base import ENGINE, KEYED, TierKind, kinds
 from tiered_cache.tools import command
 
@@ -106,14 +105,8 @@ def engine_kinds(config: CacheConfig) -> list[TierKind]:
 
 def _keyed(config: CacheConfig, kind: TierKind) -> KeyedPlan:
     section = getattr(config.tiers, kind.name)
-    write = str(getattr(section, "write", "off"))
-    if kind.name == "daemon":
-        return KeyedPlan(kind.name, f"the node daemon at {section.socket}", write,
-                         "the daemon's config (tiers.host and tiers.disk per tenant)")
-    if kind.name == "remote":
-        return KeyedPlan(kind.name, f"the store at {redact_url(section.url)}", write,
-                         "the server (its maxmemory and eviction policy)")
-    return KeyedPlan(kind.name, f"tiers.{kind.name}", write, "its own section")
+    where, bound = kind.where(section)
+    return KeyedPlan(kind.name, where, str(getattr(section, "write", "off")), bound)
 
 
 def _where_evictions_go(slots: list[TierPlan], beneath: list[KeyedPlan]) -> list[str]:
