@@ -211,6 +211,24 @@ def checkout_child(script: str | os.PathLike, args: Sequence[str], *,
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def best_by_checkout(script: str | os.PathLike, checkouts: Sequence[tuple[str, str]],
+                     args: Sequence[str], rounds: int, key: str,
+                     value: str) -> dict[tuple[str, Any], float]:
+    """Run `script --child-root ROOT *args` for each (label, ROOT) of `checkouts`, `rounds`
+    times, alternating, each in a fresh child without PYTHONPATH (`checkout_child`; the child
+    prints a JSON list of rows); returns the least `value` per (label, row[key])."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    best: dict[tuple[str, Any], float] = {}
+    for _ in range(rounds):
+        for label, root in checkouts:
+            for r in checkout_child(script, ["--child-root", root, *args], env=env,
+                                    timeout=1800):
+                k = (label, r[key])
+                best[k] = min(best.get(k, float("inf")), r[value])
+    return best
+
+
 def default_out(name: str) -> str:
     """``results/<name>.json`` under the repository root."""
     return str(RESULTS / f"{name}.json")

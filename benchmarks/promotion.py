@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -86,7 +85,7 @@ def measure(n_blocks: int, n_prompts: int, repeats: int, policy: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from common import (
-        checkout_child,
+        best_by_checkout,
         default_out,
         environment,
         import_checkout,
@@ -119,15 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         checkouts.append(("baseline", str(Path(args.repo).resolve())))
     common = ["--blocks", *map(str, blocks), "--prompts", str(prompts), "--repeats",
               str(repeats), "--policy", args.policy]
-    best: dict[tuple[str, int], float] = {}
-    for _ in range(1 if args.quick else args.rounds):
-        for label, root in checkouts:
-            env = dict(os.environ)
-            env.pop("PYTHONPATH", None)
-            for r in checkout_child(Path(__file__).resolve(), ["--child-root", root, *common],
-                                    env=env, timeout=1800):
-                k = (label, r["blocks_per_prompt"])
-                best[k] = min(best.get(k, float("inf")), r["us_per_block"])
+    best = best_by_checkout(Path(__file__).resolve(), checkouts, common,
+                            1 if args.quick else args.rounds, "blocks_per_prompt", "us_per_block")
     rows = []
     for n in blocks:
         row = {"blocks_per_prompt": n, "this_us_per_block": best[("this", n)]}
