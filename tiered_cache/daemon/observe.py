@@ -80,8 +80,12 @@ class DaemonCollector(Collector):
         requests_by = CounterMetricFamily(f"{D}_partition_requests", "Fetches and lookups a "
                                           "partition served, by outcome",
                                           labels=["tenant", "kind"])
+        prefaulted = GaugeMetricFamily(f"{D}_pool_prefaulted_bytes", "Bytes of the partition's "
+                                       "shared pool mapped by the daemon so far (prefaulted at "
+                                       "start; the pool's size once done)", labels=["tenant"])
         for name, part in list(svc.partitions.items()):
             c = part.stats()["daemon"]
+            prefaulted.add_metric([name], c["pool_prefaulted_bytes"])
             fetched.add_metric([name], c["fetched_blocks"])
             published.add_metric([name], c["published_blocks"])
             refused.add_metric([name], c["rejected_blocks"])
@@ -91,7 +95,7 @@ class DaemonCollector(Collector):
         up = GaugeMetricFamily(f"{D}_up", "1 while the daemon serves and all its threads live")
         up.add_metric([], 1.0 if svc.healthy()[0] else 0.0)
         yield from (clients, handles, requests, rejected, errors, failures, reaped, reaped_h,
-                    fetched, published, refused, requests_by, up)
+                    fetched, published, refused, requests_by, prefaulted, up)
 
 
 def serve_http(service, addr: str, port: int) -> tuple[ThreadingHTTPServer, threading.Thread]:
