@@ -18,13 +18,17 @@ modes (`Injector`):
 - `async`: KeyboardInterrupt raised right there, in a section or not, as
   `PyThreadState_SetAsyncExc` or a debugger would (package frames only: the standard library's
   own locks are not safe against that, and no code of ours can change it).
+- `memory`: MemoryError raised right there (package frames only), as an allocation that fails
+  anywhere would: an ordinary `Exception`, so the code's own failure handling sees it (it may
+  end in a miss or a copy given up, or reach the caller); one that leaves a commit section
+  tears it like a KeyboardInterrupt (core/atomic.py).
 
 After each interrupted call (`_verify`):
 - the control-plane lock can be taken by another thread at once (with a timeout);
 - no deferred interrupt is left pending, and a deferred one was raised, not swallowed;
-- if the exception cut a commit section (`async` only): the cache says so and refuses every
-  call (`CacheBrokenError`: open, invalidate, gather, write and close of the held sequences),
-  so nothing it holds can be read (`_verify_refused`). Otherwise:
+- if the exception cut a commit section (`async` and `memory` only): the cache says so and
+  refuses every call (`CacheBrokenError`: open, invalidate, gather, write and close of the held
+  sequences), so nothing it holds can be read (`_verify_refused`). Otherwise:
 - `check_invariants` holds (before and after the migrator drains), and every copy under way
   ends: no reservation or busy count is left over;
 - the open sequences are exactly those the test holds (an interrupted open hands nothing back
@@ -131,7 +135,9 @@ def one_copy_thread():
 
 
 SIGNALS = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM}
-MODES = ("sigint", "sigterm", "async")
+MODES = ("sigint", "sigterm", "async", "memory")
+RAISED = {"async": KeyboardInterrupt, "memory": MemoryError}
+"""The modes that raise right at the line (package frames only), and what they raise."""
 
 
 def _app_sigterm(signum, frame):
@@ -211,7 +217,7 @@ class Injector:
     def global_trace(self, frame, event, arg):
         if self.fired is not None:
             return None
-        if self.mode != "async" or frame.f_code.co_filename.startswith(PKG_DIRS):
+        if self.mode not in RAISED or frame.f_code.co_filename.startswith(PKG_DIRS):
             return self.local_trace
         return None
 
@@ -224,15 +230,15 @@ class Injector:
         if self.k is None:
             self.modules.add(frame.f_code.co_filename)
         elif self.n == self.k:
-            if self.mode == "async" and _unreachable(frame.f_code, frame.f_lasti):
+            if self.mode in RAISED and _unreachable(frame.f_code, frame.f_lasti):
                 self.k += 1                 # delivered at the next line instead
                 return self.local_trace
             self.where = f"{os.path.relpath(frame.f_code.co_filename)}:{frame.f_lineno} " \
                          f"({frame.f_code.co_name})"
             self.in_section = atomic.active()
             self.fired = "raise"
-            if self.mode == "async":
-                raise KeyboardInterrupt
+            if self.mode in RAISED:
+                raise RAISED[self.mode]
             signum = SIGNALS[self.mode]
             signal.getsignal(signum)(signum, frame)     # raises, or returns deferred
             self.fired = "defer"
@@ -251,7 +257,7 @@ class Injector:
         sys.settrace(self.global_trace)
         try:
             return fn(), False
-        except (KeyboardInterrupt, SystemExit):
+        except (KeyboardInterrupt, SystemExit, MemoryError):
             return None, True
         finally:
             sys.settrace(old)
@@ -371,14 +377,16 @@ def _verify(w: World, inj: Injector, interrupted: bool, op: str) -> None:
     where = f"{inj.mode} ({inj.fired}) at line event {inj.k}: {inj.where}"
     assert lock_usable(c), f"{where}: the lock is held (no other thread can take it)"
     assert not atomic.interrupt_pending(), f"{where}: a deferred interrupt is still pending"
-    if inj.fired is not None:
+    if inj.fired is not None and inj.mode != "memory":
+        # (a MemoryError may be handled where the code handles failures: a miss, a copy
+        # given up; the state must then be whole, as checked below)
         assert interrupted, f"{where}: the interrupt was swallowed (the call returned)"
     if atomic.active():
         # NOTE: the one window left (core/atomic.py): an exception no handler can defer,
         # landing in a section's own exit lines, leaves the thread counted inside a section
         # (the state is whole); signals then act at once after DEFER_LIMIT_S
         # (tests/core/test_atomic.py).
-        assert inj.mode == "async" and "core/atomic.py" in inj.where \
+        assert inj.mode in RAISED and "core/atomic.py" in inj.where \
             and "__exit__" in inj.where, f"{where}: the thread is still counted in a section"
         atomic._local.depth = 0
     if c.index.broken is not None:
@@ -427,7 +435,7 @@ def _verify_refused(w: World, inj: Injector, where: str) -> None:
     """A commit section was torn (an `async` exception, nothing deferred it): the cache says
     so and serves nothing any more, so nothing wrong can be read from it."""
     c = w.cache
-    assert inj.mode == "async" and inj.in_section, \
+    assert inj.mode in RAISED and inj.in_section, \
         f"{where}: the cache refuses, but the exception did not land in a commit section"
     refused = [lambda: c.open(P0), lambda: c.invalidate(P0)]
     for s in w.seqs.values():

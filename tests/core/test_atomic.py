@@ -23,6 +23,7 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from tests.helpers import (
     make_cache,
@@ -167,6 +168,26 @@ def test_errors_the_code_raises_in_a_section_are_not_tears():
         with atomic.atomic():
             raise ValueError("rolled back by the code that raised it")
     assert len(atomic.tears()) == n and cache.index.broken is None
+    cache.shutdown()
+
+
+@pytest.mark.parametrize("exc", [MemoryError, torch.OutOfMemoryError])
+def test_running_out_of_memory_in_a_section_tears_it(exc):
+    """An allocation can fail at any line: a section left by MemoryError (or torch's
+    OutOfMemoryError, a RuntimeError) may be half changed, so it is a tear, not an error the
+    code rolled back. Outside a section it is only the caller's error."""
+    cache = make_cache()
+    s = cache.open(tokens(8))
+    write_pattern_all(cache, s)
+    with pytest.raises(exc):
+        raise exc("outside any section")
+    assert cache.index.broken is None
+    with pytest.raises(exc):
+        with atomic.atomic():
+            raise exc("as if an allocation failed at this line")
+    assert cache.index.broken is not None and exc.__name__ in cache.index.broken
+    with pytest.raises(CacheBrokenError):
+        cache.gather(s, 0)
     cache.shutdown()
 
 

@@ -19,10 +19,13 @@ Two mechanisms, by what can be deferred:
   never swallowed: its exception replaces the section's).
 - **Everything else** cannot be deferred by Python code. A section that an exception which is
   not an `Exception` (KeyboardInterrupt, SystemExit, ...) leaves is *torn*: the state it was
-  changing may be half changed. The tear is recorded and every `BlockIndex` that exists then is
-  told (`on_tear`): it refuses every later call (`CacheBrokenError`, a miss, never wrong data)
-  and its background threads stop moving data. The control-plane lock is a C-level lock
-  (locking.py), so a tear never leaves it held.
+  changing may be half changed. So is one that a MemoryError (or torch's OutOfMemoryError)
+  leaves: an allocation can fail at any line, so, unlike the errors a section raises on
+  purpose (each before it changes anything: CapacityError, TransferError, ...), it says
+  nothing about how far the section got. The tear is recorded and every `BlockIndex` that
+  exists then is told (`on_tear`): it refuses every later call (`CacheBrokenError`, a miss,
+  never wrong data) and its background threads stop moving data. The control-plane lock is a
+  C-level lock (locking.py), so a tear never leaves it held.
 
 NOTE: the lock's own bookkeeping (the timing of a hold, `HoldStats`) runs inside the section
 that holds the lock: `TimedLock.__enter__` notes the hold, and the section observes it as it
@@ -150,8 +153,8 @@ def tears() -> list[str]:
 
 
 def _torn(exc_type: type, exc: BaseException | None, section) -> None:
-    """A section was left by an exception that cannot be one of the code's own (not an
-    `Exception`): the state it changed may be half changed. Tell every listener. `section`:
+    """A section was left by an exception that cannot be one of the code's own (`_is_tear`):
+    the state it changed may be half changed. Tell every listener. `section`:
     the frame whose `with atomic()` it left."""
     if exc is not None:
         if getattr(exc, "_tiered_cache_torn", False):
@@ -204,7 +207,7 @@ class _Section:
     def __exit__(self, exc_type, exc, tb) -> None:
         depth = _local.depth
         try:
-            if exc_type is not None and not issubclass(exc_type, (Exception, GeneratorExit)):
+            if exc_type is not None and _is_tear(exc_type):
                 _torn(exc_type, exc, sys._getframe(1))
             holds = getattr(_local, "holds", None)
             if holds:
@@ -216,6 +219,17 @@ class _Section:
             _local.depth = depth - 1
         if depth == 1 and _deferred and _get_ident() == _main:
             _run_deferred()
+
+
+def _is_tear(exc_type: type[BaseException]) -> bool:
+    """Whether an exception that leaves a section tears it (see the module doc): anything but
+    an `Exception`, and running out of memory (MemoryError; torch's OutOfMemoryError, a
+    RuntimeError, when torch is loaded: core never imports it)."""
+    if not issubclass(exc_type, (Exception, GeneratorExit)) or issubclass(exc_type, MemoryError):
+        return True
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and issubclass(exc_type, oom)
 
 
 def _run_deferred() -> None:
