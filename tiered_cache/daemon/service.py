@@ -348,9 +348,15 @@ class NodeService:
         return out
 
     def healthy(self) -> tuple[bool, str]:
-        """(ok, why): serving, and no background thread of any partition dead."""
+        """(ok, why): serving, no partition refusing every request (its index torn: a commit
+        section cut by an exception nothing could defer, or by running out of memory; only a
+        restart serves its tenant again), and no background thread of any partition dead."""
         if not self.server.serving:
             return False, "not serving"
+        broken = [f"{p.tenant}: {p.index.broken}" for p in list(self.partitions.values())
+                  if p.index.broken is not None]
+        if broken:
+            return False, f"partitions refusing every request (restart the daemon): {broken}"
         dead = [f"{p.tenant}/{name}" for p in list(self.partitions.values())
                 for name, t in p.health.summary().items() if not t["alive"]]
         if dead:
