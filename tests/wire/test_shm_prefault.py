@@ -46,8 +46,12 @@ needs_populate = pytest.mark.skipif(not _supported(), reason="kernel without MAD
 
 
 @needs_populate
-def test_a_created_pool_is_mapped_whole_by_the_prefault_thread():
-    pool = SharedPool.create(GEO)
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_created_pool_is_mapped_whole_by_the_prefault_thread(sealed):
+    """(sealed: F_SEAL_FUTURE_WRITE after the creator's mapping, as the daemon's pools are:
+    that mapping is still populated writable)"""
+    pool = SharedPool.create(GEO, read_only_clients=sealed)
+    assert pool.write_sealed == sealed
     try:
         assert pool.wait_prefault(10)
         assert pool.prefaulted == GEO.nbytes and pool.prefault_error is None
