@@ -73,7 +73,7 @@ def test_a_pool_created_without_populate_is_left_to_fault():
 @needs_populate
 @pytest.mark.parametrize("writable", [False, True])
 def test_an_attached_mapping_is_prefaulted_and_reads_what_the_owner_wrote(writable):
-    owner = SharedPool.create(GEO, populate=False)
+    owner = SharedPool.create(GEO)
     try:
         torch.manual_seed(0)
         data = torch.randn(GEO.shape)
@@ -89,6 +89,23 @@ def test_an_attached_mapping_is_prefaulted_and_reads_what_the_owner_wrote(writab
                                prefault=False)
         assert no.wait_prefault(0) and no.prefaulted == 0
         no.close()
+    finally:
+        owner.close()
+
+
+@needs_populate
+def test_a_staging_area_is_not_prefaulted_so_its_unused_slots_take_no_memory():
+    """A file with holes (a staging area: `populate=False`) attached writable: prefaulting it
+    would allocate every slot, where only those ever written take memory."""
+    owner = SharedPool.create(GEO, populate=False)
+    try:
+        client = SharedPool.attach(owner.client_fd(), GEO)
+        try:
+            assert client.wait_prefault(10) and client.prefaulted == 0
+            client.kv[0].fill_(1.0)                 # the slots written take memory
+            assert 0 < os.fstat(owner.fd).st_blocks * 512 < GEO.nbytes
+        finally:
+            client.close()
     finally:
         owner.close()
 

@@ -38,7 +38,9 @@ out untouched slots until it has filled once, so every publish paid that. Each m
 therefore prefaulted on a background thread (`tc-prefault`, MADV_POPULATE_WRITE or _READ,
 Linux 5.14+; 64 MiB at a time under `retain`, so a close meanwhile stops it): about 0.26 s of
 one core per GiB writable, 0.11 s read-only, and a page table of 1/512 of the mapping, which
-every process that touches the whole pool ends up holding anyway. Copies meanwhile are right
+every process that touches the whole pool ends up holding anyway. Only files whose pages are
+all allocated are prefaulted (pools; staging areas are allocated as they are written, and a
+prefault would allocate their never-used slots). Copies meanwhile are right
 either way (populating maps pages, it never changes them); a kernel without the advice is
 logged once and left to fault as before. A CUDA-registered mapping is pinned (so mapped) whole.
 
@@ -219,7 +221,10 @@ class SharedPool:
                prefault: bool = True) -> SharedPool:
         """Map a pool from an fd the daemon sent. Takes ownership of `fd` (closed here: the
         mapping keeps the memory). Checks that the fd is a sealed file of the right size first:
-        mapping past its end would fault on first touch. `prefault`: in the background."""
+        mapping past its end would fault on first touch. `prefault`: in the background, if the
+        file's pages are all allocated (a pool; not a staging area, whose pages are allocated
+        as they are first written: prefaulting it would allocate slots that may never be
+        used)."""
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -235,7 +240,7 @@ class SharedPool:
         finally:
             os.close(fd)
         pool = cls(None, geometry, mm, writable=writable)
-        if prefault:
+        if prefault and st.st_blocks * 512 >= st.st_size:
             pool.start_prefault()
         return pool
 
