@@ -247,10 +247,17 @@ class PageSpace:
         if len(slots) < len(new):
             self._count("pages_refused", len(new) - len(slots))
         new = new[:len(slots)]
-        src = staging.buffer()
-        sgeo = PageGeometry(self.staging_slots, self.page_bytes)
-        for i, slot in zip(new, slots):
-            self.slot_view(slot)[:] = sgeo.slot(src, entries[i]["slot"])
+        try:
+            src = staging.buffer()
+            sgeo = PageGeometry(self.staging_slots, self.page_bytes)
+            for i, slot in zip(new, slots):
+                self.slot_view(slot)[:] = sgeo.slot(src, entries[i]["slot"])
+        except BaseException:
+            # NOTE: the slots are out of use (`_take`) and in no page yet: given back, or the
+            # pool would shrink by them for good (their bytes are half copied: indexed by none)
+            with self._lock:
+                self._free.extend(slots)
+            raise
         with self._lock:
             for i, slot in zip(new, slots):
                 key = identity.page_key(root, keys[i])

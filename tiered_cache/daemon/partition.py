@@ -276,13 +276,16 @@ class Partition:
         except CapacityError:
             self._count("rejected_blocks", len(entries))
             return taken
+        # NOTE: until `adopt` takes them, the lent slots are this call's to give back: a
+        # failure before it (a copy that raised, a MemoryError building the metas) unlends
+        # them, or they would stay reserved for good.
         try:
             _copy_slots(staging.kv, [slots[i] for i in new], self.shared.kv, lent)
+            metas = [(slot, RecordMeta(keys[i], parents[i], root, depths[i], tokens[i],
+                                       hits[i])) for i, slot in zip(new, lent)]
         except BaseException:
             self.index.persist.unlend(DEVICE, lent)
             raise
-        metas = [(slot, RecordMeta(keys[i], parents[i], root, depths[i], tokens[i], hits[i]))
-                 for i, slot in zip(new, lent)]
         adopted = self.index.persist.adopt(DEVICE, root_id, metas)
         for i, b in zip(new, adopted):
             taken[i] = b != NO_BLOCK
