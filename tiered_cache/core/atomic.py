@@ -209,12 +209,18 @@ class _Section:
         try:
             if exc_type is not None and _is_tear(exc_type):
                 _torn(exc_type, exc, sys._getframe(1))
-            holds = getattr(_local, "holds", None)
-            if holds:
-                now = _perf()
-                while holds and holds[-1][0] >= depth:
-                    _, lock, t0 = holds.pop()
-                    lock.holds.observe(now - t0)
+            holds = None
+            try:
+                holds = getattr(_local, "holds", None)
+                if holds:
+                    now = _perf()
+                    while holds and holds[-1][0] >= depth:
+                        _, lock, t0 = holds.pop()
+                        lock.holds.observe(now - t0)
+            except Exception:       # noqa: BLE001 - NOTE: timing only (a MemoryError here
+                # must not turn a section that committed into a failed call)
+                if holds:
+                    del holds[:]
         finally:
             _local.depth = depth - 1
         if depth == 1 and _deferred and _get_ident() == _main:

@@ -42,6 +42,7 @@ import torch
 from tiered_cache import admission, kernels
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import moves
+from tiered_cache.core.atomic import atomic
 from tiered_cache.core.blocks import NO_BLOCK
 from tiered_cache.core.sequence import Sequence
 from tiered_cache.core.tier import DEVICE
@@ -185,19 +186,24 @@ class Partition:
         n = min(len(tokens) // self.block_size, MAX_BLOCKS)
         tokens = tokens[:n * self.block_size]
         root_id = self._root_id(root)
-        found, remote_failed = self._hold(root, root_id, parent, tokens, wait_s,
-                                          bool(self.stack.stores))
-        if found is None and remote_failed:
-            # NOTE: a block from the store failed its load (a corrupt or vanished record, a
-            # dropped connection): what this node holds itself is still good, so that much is
-            # served rather than nothing (the store is asked again next time).
-            found, _ = self._hold(root, root_id, parent, tokens, wait_s, False)
-        if found is None:
-            self._count("fetch_misses")
-            return None, []
-        seq, slots = found
-        self._count("fetched_blocks", len(slots))
-        return seq, slots
+        found = None
+        try:
+            found, remote_failed = self._hold(root, root_id, parent, tokens, wait_s,
+                                              bool(self.stack.stores))
+            if found is None and remote_failed:
+                # NOTE: a block from the store failed its load (a corrupt or vanished record,
+                # a dropped connection): what this node holds itself is still good, so that
+                # much is served rather than nothing (the store is asked again next time).
+                found, _ = self._hold(root, root_id, parent, tokens, wait_s, False)
+            if found is None:
+                self._count("fetch_misses")
+                return None, []
+            self._count("fetched_blocks", len(found[1]))
+            return found
+        except BaseException:
+            if found is not None:           # a hold the caller will never get: given back
+                self.release(found[0])
+            raise
 
     def _hold(self, root: bytes, root_id: int, parent: bytes, tokens: np.ndarray,
               wait_s: float, remote: bool) -> tuple[tuple[Sequence, list[int]] | None, bool]:
@@ -205,12 +211,17 @@ class Partition:
         loaded after them if `remote`; wait for the copies. Returns ((hold, slots) or None for
         nothing held: a miss, a refusal or a copy that failed, counted; whether blocks loaded
         from the store were among the copies that failed)."""
+        loaded = 0
+        seq = None
         try:
-            seq = self.index.open_blocks(root_id, parent, tokens, promote=self._promote)
+            # NOTE: in a section of its own: an exception landing after the index pinned the
+            # blocks but before `seq` is set here tears it (the partition then refuses), as
+            # nothing could give those pins back.
+            with atomic():
+                seq = self.index.open_blocks(root_id, parent, tokens, promote=self._promote)
         except (CapacityError, TransferError) as exc:
             log.debug("%s: fetch refused: %s", self.tenant, exc)
             return None, False
-        loaded = 0
         try:
             if remote:
                 loaded = self._load_remote(seq, root, parent, tokens)
@@ -221,6 +232,7 @@ class Partition:
             for r in seq.pending:
                 r.wait(self.num_layers - 1, max(0.0, deadline - time.monotonic()))
             slots = self.index.held_slots(seq)
+            return (seq, slots), False
         except TieredCacheError as exc:     # PromotionTimeout, TransferError
             timeout = isinstance(exc, PromotionTimeout)
             self._count("fetch_timeouts" if timeout else "fetch_failures")
@@ -230,7 +242,6 @@ class Partition:
         except BaseException:
             self.index.close(seq)
             raise
-        return (seq, slots), False
 
     def _load_remote(self, seq: Sequence, root: bytes, parent: bytes,
                      tokens: np.ndarray) -> int:
@@ -241,6 +252,8 @@ class Partition:
         return n
 
     def release(self, seq: Sequence) -> None:
+        """Let a fetch's hold go. Raises only having changed nothing (the hold is still the
+        caller's: it keeps it, to release later) or having torn the index."""
         if not seq.closed:
             self.index.close(seq)
 
@@ -271,22 +284,29 @@ class Partition:
         if not new:
             self._count("duplicate_blocks", len(entries))
             return taken
+        # NOTE: the lent slots are this call's from the moment the index lends them until
+        # `adopt` takes them: each hand-over runs in a section of its own (an exception that
+        # lands between the index's commit and this frame getting the result tears it: the
+        # partition refuses, nothing leaks into a state that serves), and a failure between
+        # them (a copy that raised, a MemoryError building the metas) unlends them, or they
+        # would stay reserved for good.
+        adopted = None
         try:
-            lent = self.index.persist.lend(DEVICE, len(new))
+            with atomic():
+                lent = self.index.persist.lend(DEVICE, len(new))
         except CapacityError:
             self._count("rejected_blocks", len(entries))
             return taken
-        # NOTE: until `adopt` takes them, the lent slots are this call's to give back: a
-        # failure before it (a copy that raised, a MemoryError building the metas) unlends
-        # them, or they would stay reserved for good.
         try:
             _copy_slots(staging.kv, [slots[i] for i in new], self.shared.kv, lent)
             metas = [(slot, RecordMeta(keys[i], parents[i], root, depths[i], tokens[i],
                                        hits[i])) for i, slot in zip(new, lent)]
+            with atomic():
+                adopted = self.index.persist.adopt(DEVICE, root_id, metas)
         except BaseException:
-            self.index.persist.unlend(DEVICE, lent)
+            if adopted is None and self.index.broken is None:
+                self.index.persist.unlend(DEVICE, lent)
             raise
-        adopted = self.index.persist.adopt(DEVICE, root_id, metas)
         for i, b in zip(new, adopted):
             taken[i] = b != NO_BLOCK
         if self.migrator.put_tiers:
@@ -346,7 +366,11 @@ class Partition:
         self.stack.stop_workers()
         for seq in self.index.open_sequences():
             self.index.close(seq, timeout=5.0)
-        if drain:
+        if drain and self.index.broken is not None:
+            # NOTE: a torn index (it refuses every call) writes nothing down: its state may be
+            # half changed, and disk records written from it would outlive the process.
+            log.error("%s: not drained to disk: %s", self.tenant, self.index.broken)
+        elif drain:
             n = self.drain()
             if n:
                 log.info("%s: %d blocks written to disk before stopping", self.tenant, n)

@@ -19,6 +19,7 @@ handles happens under its lock and checks `reaped` first; the reap takes the sam
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -218,7 +219,18 @@ class NodeService:
             with state.lock:
                 seq = state.handles.pop(f["handle"], None)
             if seq is not None:
-                self._release(state, seq)
+                try:
+                    self._release(state, seq)
+                except BaseException:
+                    # not released: the lease keeps it, and its reap releases it
+                    with state.lock:
+                        keep = not state.reaped and not seq.closed
+                        if keep:
+                            state.handles[f["handle"]] = seq
+                    if not keep and not seq.closed:
+                        with contextlib.suppress(Exception):    # reaped meanwhile: try again
+                            self._release(state, seq)
+                    raise
                 with self._lock:
                     self.counters["released_handles"] += 1
             return {"held": seq is not None}
@@ -317,12 +329,19 @@ class NodeService:
                                            f["wait_ms"] / 1000)
         if seq is None:
             return {"handle": 0, "slots": []}
-        handle = next(self._handles)
-        with state.lock:
-            if not state.reaped:
-                state.handles[handle] = seq
-                return {"handle": handle, "slots": slots}
-        state.partition.release(seq)        # reaped while fetching: give the pins back
+        kept = False
+        try:
+            handle = next(self._handles)
+            with state.lock:
+                if not state.reaped:
+                    state.handles[handle] = seq     # the lease's from here: a reap releases it
+                    kept = True
+                    return {"handle": handle, "slots": slots}
+        finally:
+            if not kept:
+                # reaped while fetching, or a failure before the handle was kept (a
+                # MemoryError): the pins go back
+                state.partition.release(seq)
         raise LeaseExpiredError("the lease expired while fetching")
 
     # introspection ----------------------------------------------------------------------------
