@@ -22,14 +22,13 @@ import gc
 import inspect
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
 import tiered_cache
-from tests.test_interrupts import _unreachable
+from tests.test_interrupts import _unreachable, quiet
 from tiered_cache.config import CacheConfig
 from tiered_cache.core import atomic
 from tiered_cache.core.invariants import check_invariants
@@ -176,18 +175,6 @@ class Injector:
             gc.enable()
 
 
-def _quiet(ix, timeout: float = 10.0) -> bool:
-    """No slot lent or reserved once background copies (a demotion to disk) are over."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with ix.locked():
-            if all(t.reserved == len(t.erasing) and t.busy == 0 for t in ix.tiers):
-                return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.001)
-
-
 def verify(w: World, op: str, result, where: str) -> None:
     part, ix = w.part, w.part.index
     if ix.broken is not None:
@@ -195,7 +182,7 @@ def verify(w: World, op: str, result, where: str) -> None:
             ix.open_blocks(0, w.root, w.tokens(1))
         return
     check_invariants(ix)
-    assert _quiet(ix), f"{where}: slots left lent or reserved: " + ", ".join(
+    assert quiet(ix), f"{where}: slots left lent or reserved: " + ", ".join(
         f"{t.name} {t.reserved} reserved, {t.busy} busy" for t in ix.tiers)
     if op == "fetch" and result is not None and result[0] is not None:
         w.held.append(result[0])

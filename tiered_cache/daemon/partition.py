@@ -334,7 +334,6 @@ class Partition:
         with self._lock:
             out["daemon"] = dict(self.counters, roots=len(self._roots))
         out["daemon"]["pool_prefaulted_bytes"] = self.shared.prefaulted
-        out["daemon"]["pool_bytes"] = self.geometry.nbytes
         return out
 
     def drain(self) -> int:
